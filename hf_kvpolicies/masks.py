@@ -1,0 +1,104 @@
+"""Attention masks for caches whose slots are not in positional order.
+
+transformers builds one mask per forward from ``get_mask_sizes`` and reads the 2-D padding mask
+at *positions* ``kv_offset + j``. That is right while slot ``j`` holds position
+``kv_offset + j``, which a ring or an eviction policy breaks. Without padding it does not
+matter (every kept key is visible to every new query, and the new keys come last, in order);
+with padding it would hide real tokens and show pads.
+
+So a forward pre-hook on the decoder, installed once per model, looks at each forward: when the
+cache is a :class:`~hf_kvpolicies.cache.PolicyCache` that already holds tokens and the batch is
+padded, it replaces the 2-D mask by the exact 4-D mask, built from the positions each slot
+holds. For any other cache the hook returns at once and changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+HOOK_ATTRIBUTE = "_hf_kvpolicies_mask_hook"
+CACHE_KWARGS = ("cache", "past_key_values")
+MASK_FORMATS = ("sdpa", "eager")
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module that builds the masks (``LlamaModel`` inside ``LlamaForCausalLM``)."""
+    return getattr(model, "base_model", model)
+
+
+def attach_mask_hook(model: nn.Module) -> None:
+    """Install the hook once per model; idempotent, so many caches never pile up hooks."""
+    decoder = decoder_of(model)
+    if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
+        handle = decoder.register_forward_pre_hook(_exact_mask_hook, with_kwargs=True)
+        setattr(decoder, HOOK_ATTRIBUTE, handle)
+
+
+def detach_mask_hook(model: nn.Module) -> None:
+    decoder = decoder_of(model)
+    handle = getattr(decoder, HOOK_ATTRIBUTE, None)
+    if handle is not None:
+        handle.remove()
+        setattr(decoder, HOOK_ATTRIBUTE, None)
+
+
+def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    from .cache import PolicyCache
+
+    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+    if not isinstance(cache, PolicyCache) or all(layer.retention.in_position_order for layer in cache.layers):
+        return None
+    padding = kwargs.get("attention_mask")
+    if padding is None or padding.dim() != 2 or cache.get_seq_length() == 0 or bool(padding.all()):
+        return None
+    embeds = kwargs.get("inputs_embeds")
+    inputs = kwargs.get("input_ids") if embeds is None else embeds
+    if inputs is None:
+        inputs = args[0]
+    query_length = inputs.shape[1]
+    dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
+    kwargs["attention_mask"] = exact_masks(cache, padding, query_length, module.config, dtype)
+    return args, kwargs
+
+
+def exact_masks(cache, padding: torch.Tensor, query_length: int, config, dtype: torch.dtype):
+    """The mask (or ``{layer_type: mask}`` for mixed models) for the next forward of ``cache``."""
+    implementation = config._attn_implementation
+    if implementation not in MASK_FORMATS:
+        raise NotImplementedError(
+            f"a padded batch with {type(cache).__name__} needs attention_implementation 'sdpa' or 'eager' "
+            f"(the model uses {implementation!r}): call model.set_attn_implementation('sdpa'), or run rows one at a time"
+        )
+    masks: dict[str, torch.Tensor] = {}
+    for layer in cache.layers:
+        layer_type = "sliding_attention" if layer.is_sliding else "full_attention"
+        if layer_type not in masks:
+            allowed = allowed_keys(layer.retention, padding, query_length)
+            masks[layer_type] = to_attention_format(allowed, implementation, dtype)
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+def allowed_keys(retention, padding: torch.Tensor, query_length: int) -> torch.Tensor:
+    """Boolean ``[batch, 1, q, kv]``: causal, the retention's visibility, and no pads."""
+    device = padding.device
+    key_pos = retention.key_positions(query_length)
+    query_pos = torch.arange(retention.seen, retention.seen + query_length)
+    causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
+    allowed = (causal & retention.visible(query_pos, key_pos)).to(device)
+    is_token = padding.to(device=device, dtype=torch.bool)[:, key_pos.clamp(min=0).to(device)]
+    allowed = allowed[None, :, :] & is_token[:, None, :]
+    # a query with nothing to attend to (a pad in the prompt) attends to everything instead of
+    # producing NaN; its output is never used
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    return (allowed | empty)[:, None]
+
+
+def to_attention_format(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )

@@ -1,0 +1,7 @@
+"""Retention policies: which tokens stay in each layer's cache."""
+
+from .base import Retention
+from .full import FullRetention
+from .window import RingRetention
+
+__all__ = ["FullRetention", "Retention", "RingRetention"]

@@ -1,0 +1,174 @@
+"""The retention axis: which token occupies which slot of one layer.
+
+A retention owns the bookkeeping (tokens seen, slots in use, the position held by each slot)
+and tells its storage where to write; it never touches the tensors' layout or dtype.
+
+Every ``update`` goes one of two ways:
+
+* **in place**: the new tokens are written into slots chosen by :meth:`Retention.plan`
+  (an append, or the slot of the token being evicted) and attention reads slots
+  ``[0, live)``. Decoding always takes this path for the built-in policies: O(1) work per
+  token, no concatenation.
+* **concatenate, then trim**: when ``plan`` returns ``None`` (several tokens arrive at a
+  bounded cache that cannot take them without evicting tokens that those very queries still
+  attend to), attention gets the kept tokens in positional order followed by the new ones,
+  under ordinary causal attention, and :meth:`Retention.select` then decides which of them stay.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..storage import Storage
+from ..storage.base import SlotIndex
+
+
+class Retention(ABC):
+    """Per-layer slot bookkeeping; subclasses decide placement and what survives a trim."""
+
+    is_sliding = False
+    """True only on a model's own sliding-window layers (transformers builds their mask apart)."""
+    is_croppable = False
+    in_position_order = False
+    """True when slot ``j`` always holds position ``j``: transformers' own masks are then exact."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        """Tokens seen so far, kept or not: drives positions and masks."""
+        self.live = 0
+        """Slots ``[0, live)`` hold tokens that a decode step attends to."""
+        self.slot_pos: torch.Tensor | None = None
+        """Absolute position (index in the stream) held by each slot, ``-1`` when empty."""
+
+    # --- what subclasses decide -------------------------------------------------------
+    @abstractmethod
+    def capacity(self, first_chunk: int) -> int:
+        """Slots to allocate at the first update (``first_chunk`` tokens arriving)."""
+
+    @abstractmethod
+    def plan(self, q: int) -> SlotIndex | None:
+        """Slots where ``q`` new tokens can be written in place, or ``None`` to concatenate."""
+
+    @abstractmethod
+    def select(self, positions: torch.Tensor) -> torch.Tensor:
+        """Indices into ``positions`` (ascending, kept + new) of the tokens that stay after a trim."""
+
+    @property
+    @abstractmethod
+    def max_length(self) -> int:
+        """Most tokens kept at once; ``-1`` when unbounded."""
+
+    # --- the shared mechanics ---------------------------------------------------------
+    @property
+    def stored(self) -> int:
+        """Tokens currently kept (what a memory or quality comparison should quote)."""
+        return self.live if self.max_length < 0 else min(self.live, self.max_length)
+
+    def kept_slots(self) -> torch.Tensor:
+        """Slots holding kept tokens, in ascending position order."""
+        positions = self.slot_pos[: self.live]
+        order = torch.argsort(positions)
+        return order[self.select(positions[order])]
+
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return what attention should see in this forward."""
+        q = keys.shape[-2]
+        if not storage.is_allocated:
+            storage.allocate(keys, self.capacity(q))
+            self.slot_pos = torch.full((storage.capacity,), -1, dtype=torch.long)
+        slots = self.plan(q)
+        if slots is not None:
+            self._ensure_capacity(storage, slots, q)
+            storage.write(slots, keys, values)
+            self._record(slots, q)
+            return storage.read(self.live)
+        kept = self.kept_slots()
+        old_keys, old_values = storage.gather(kept.to(storage.device))
+        all_keys = torch.cat([old_keys, keys], dim=-2)
+        all_values = torch.cat([old_values, values], dim=-2)
+        positions = torch.cat([self.slot_pos[kept], torch.arange(self.seen, self.seen + q)])
+        stay = self.select(positions)
+        stay_dev = stay.to(storage.device)
+        storage.write(0, all_keys.index_select(2, stay_dev), all_values.index_select(2, stay_dev))
+        self.slot_pos.fill_(-1)
+        self.slot_pos[: stay.numel()] = positions[stay]
+        self.live = stay.numel()
+        self.seen += q
+        self._after_trim()
+        return all_keys, all_values
+
+    def returned_length(self, q: int) -> int:
+        """Number of keys the next ``update`` with ``q`` tokens returns (``get_mask_sizes``)."""
+        slots = self.plan(q)
+        if slots is None:
+            return self.stored + q
+        return max(self.live, self._end(slots, q))
+
+    def key_positions(self, q: int) -> torch.Tensor:
+        """Absolute positions of the keys the next ``update`` returns, in the order returned."""
+        new = torch.arange(self.seen, self.seen + q)
+        slots = self.plan(q)
+        if slots is None:
+            kept = self.kept_slots() if self.slot_pos is not None else torch.empty(0, dtype=torch.long)
+            return torch.cat([self.slot_pos[kept] if kept.numel() else kept, new])
+        length = max(self.live, self._end(slots, q))
+        positions = torch.full((length,), -1, dtype=torch.long)
+        if self.slot_pos is not None:
+            held = min(self.live, self.slot_pos.numel())
+            positions[:held] = self.slot_pos[:held]
+        positions[self._as_index(slots, q)] = new
+        return positions
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the retention's own persistent tensors (slot positions, scores)."""
+        return 0 if self.slot_pos is None else self.slot_pos.nbytes
+
+    def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys each query may attend to, beyond causality (all kept ones by default)."""
+        return torch.ones(query_pos.numel(), key_pos.numel(), dtype=torch.bool)
+
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        """Per-row state to reorder with the storage (nothing for layouts shared by all rows)."""
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.live = 0
+        self.slot_pos = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} evicts tokens and cannot roll back; use FullCache for assisted "
+            "decoding or other features that crop the cache"
+        )
+
+    # --- helpers for subclasses -------------------------------------------------------
+    def _after_trim(self) -> None:
+        """Called after a concatenate-then-trim update (for state tied to the layout)."""
+
+    @staticmethod
+    def _end(slots: SlotIndex, q: int) -> int:
+        return slots + q if isinstance(slots, int) else int(slots.max()) + 1
+
+    @staticmethod
+    def _as_index(slots: SlotIndex, q: int) -> torch.Tensor | slice:
+        return slice(slots, slots + q) if isinstance(slots, int) else slots.cpu()
+
+    def _ensure_capacity(self, storage: Storage, slots: SlotIndex, q: int) -> None:
+        end = self._end(slots, q)
+        if end > storage.capacity:
+            new_capacity = max(end, 2 * storage.capacity)
+            storage.grow(new_capacity)
+            grown = torch.full((new_capacity,), -1, dtype=torch.long)
+            grown[: self.slot_pos.numel()] = self.slot_pos
+            self.slot_pos = grown
+
+    def _record(self, slots: SlotIndex, q: int) -> None:
+        if isinstance(slots, int) and q == 1:  # the decode step: avoid building tensors
+            self.slot_pos[slots] = self.seen
+        else:
+            self.slot_pos[self._as_index(slots, q)] = torch.arange(self.seen, self.seen + q)
+        self.live = max(self.live, self._end(slots, q))
+        self.seen += q

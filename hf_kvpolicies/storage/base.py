@@ -1,0 +1,65 @@
+"""The storage axis: how the key/value slots of one layer are held in memory.
+
+A storage is a slot-addressed pair of tensors shaped ``[batch, kv_heads, slots, head_dim]``.
+It knows nothing about which token lives in which slot: that is the retention's job.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+SlotIndex = int | torch.Tensor
+"""Where to write: an ``int`` start slot (contiguous run), a ``LongTensor[q]`` shared by every
+row and head, or a ``LongTensor[batch, kv_heads, q]`` chosen per row and head."""
+
+
+class Storage(ABC):
+    """Holds the slots of one layer; reads return the model's dtype."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.dtype is not None
+
+    @abstractmethod
+    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+        """Create ``capacity`` empty slots shaped like ``like`` (``[batch, heads, *, head_dim]``)."""
+
+    @abstractmethod
+    def grow(self, capacity: int) -> None:
+        """Enlarge to at least ``capacity`` slots, keeping the content of the existing ones."""
+
+    @abstractmethod
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys``/``values`` (``[batch, heads, q, head_dim]``) into ``slots``, in place."""
+
+    @abstractmethod
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[0, length)`` in the model's dtype (a view where possible)."""
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` (``LongTensor[n]`` or ``[batch, heads, n]``) in the model's dtype."""
+
+    @abstractmethod
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        """Select rows along the batch axis (beam search, batch expansion or selection)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every persistent tensor held, allocated capacity included."""
+
+
+def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast a slot index to ``like``'s ``[batch, heads, q, head_dim]`` for gather/scatter."""
+    if slots.dim() == 1:
+        slots = slots.view(1, 1, -1)
+    batch, heads, _, head_dim = like.shape
+    return slots.unsqueeze(-1).expand(batch, heads, slots.shape[-1], head_dim)

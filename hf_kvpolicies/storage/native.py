@@ -1,0 +1,63 @@
+"""Native storage: slots held in the model's own dtype, pre-allocated and written in place."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import SlotIndex, Storage, expand_slots
+
+
+class NativeStorage(Storage):
+    """Two pre-allocated tensors ``[batch, kv_heads, capacity, head_dim]`` in the model's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+        batch, heads, _, head_dim = like.shape
+        self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
+        self.keys = like.new_zeros(batch, heads, capacity, head_dim)
+        self.values = like.new_zeros(batch, heads, capacity, head_dim)
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        old_keys, old_values, used = self.keys, self.values, self.capacity
+        self.allocate(old_keys, capacity)
+        self.keys[:, :, :used] = old_keys
+        self.values[:, :, :used] = old_values
+
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if isinstance(slots, int):
+            end = slots + keys.shape[-2]
+            self.keys[:, :, slots:end] = keys
+            self.values[:, :, slots:end] = values
+        elif slots.dim() == 1:
+            self.keys.index_copy_(2, slots, keys)
+            self.values.index_copy_(2, slots, values)
+        else:
+            index = expand_slots(slots, keys)
+            self.keys.scatter_(2, index, keys)
+            self.values.scatter_(2, index, values)
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :length], self.values[:, :, :length]
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if slots.dim() == 1:
+            return self.keys.index_select(2, slots), self.values.index_select(2, slots)
+        index = expand_slots(slots, self.keys)
+        return self.keys.gather(2, index), self.values.gather(2, index)
+
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        batch_index = batch_index.to(self.keys.device)
+        self.keys = self.keys.index_select(0, batch_index)
+        self.values = self.values.index_select(0, batch_index)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
