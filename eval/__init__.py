@@ -1,0 +1,1 @@
+"""The evaluation harness: perplexity, memory, speed and recall of KV-cache policies."""

@@ -1,0 +1,1 @@
+"""One-command benchmarks, one module per question (``python -m eval.benchmarks.NAME``)."""

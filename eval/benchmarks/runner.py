@@ -1,0 +1,100 @@
+"""What every benchmark does: the same tokens, the same timing, one table, side by side.
+
+A benchmark module names its contenders (label -> cache factory) and calls :func:`run`.
+Runs time on a shared machine drift, so every figure of one table is measured in one process,
+and ratios are taken against the first contender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from ..data import embedded_text, embedded_text_version, tokenize
+from ..perplexity import perplexity, streaming_nll
+from ..speed import decode_latency, prefill
+
+CacheFactory = Callable[[PreTrainedModel], Cache]
+
+
+@dataclass
+class Contender:
+    label: str
+    make: CacheFactory
+    figures: dict[str, float] = field(default_factory=dict)
+
+
+def footprint(cache: Cache) -> int:
+    """Bytes held by a cache: ours report it; transformers' caches are summed tensor by tensor."""
+    if hasattr(cache, "get_memory_footprint"):
+        return cache.get_memory_footprint()
+    return sum(
+        t.nbytes for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
+    )
+
+
+def arguments(description: str, ppl_tokens: int = 2000, contexts: Sequence[int] = (1024, 2048, 4096)):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--ppl-tokens", type=int, default=ppl_tokens, help="tokens of streaming perplexity (0: skip)")
+    parser.add_argument("--contexts", type=int, nargs="*", default=list(contexts), help="decode-latency context lengths")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
+    parser.add_argument("--model", default="smollm2-135m")
+    return parser
+
+
+def run(
+    contenders: list[Contender],
+    ppl_tokens: int,
+    contexts: Sequence[int],
+    steps: int = 16,
+    model_name: str = "smollm2-135m",
+    progress: bool = True,
+) -> list[Contender]:
+    """Measure decode ms/token and footprint at each context, and streaming perplexity."""
+    from hf_kvpolicies.models import load_model
+
+    model, tokenizer = load_model(model_name)
+    needed = max([ppl_tokens, *[c + steps + 4 for c in contexts]])
+    ids = tokenize(tokenizer, embedded_text(), needed)
+    for context in contexts:
+        for contender in contenders:
+            timing = decode_latency(model, lambda: contender.make(model), ids, context, steps=steps)
+            contender.figures[f"ms/token @{context}"] = timing["median_ms"]
+            cache = contender.make(model)
+            prefill(model, ids[:, :context], cache)
+            contender.figures[f"MiB @{context}"] = footprint(cache) / 2**20
+    if ppl_tokens:
+        for contender in contenders:
+            nll = streaming_nll(model, ids[:, :ppl_tokens], contender.make(model), progress=progress, desc=contender.label)
+            contender.figures[f"ppl ({ppl_tokens} tok)"] = perplexity(nll)
+            contender.figures["ppl after 1K"] = perplexity(nll[1000:]) if ppl_tokens > 1100 else float("nan")
+    print(table(contenders))
+    print(
+        f"\nmodel {model_name}, text {embedded_text_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads; ratios vs {contenders[0].label}",
+        file=sys.stdout,
+    )
+    return contenders
+
+
+def table(contenders: list[Contender]) -> str:
+    columns = list(contenders[0].figures)
+    base = contenders[0].figures
+    lines = ["| policy | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for contender in contenders:
+        cells = []
+        for column in columns:
+            value = contender.figures.get(column, float("nan"))
+            ratio = value / base[column] if base.get(column) else float("nan")
+            cells.append(f"{value:.3g} ({ratio:.2f}x)" if contender is not contenders[0] else f"{value:.3g}")
+        lines.append(f"| {contender.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""Shared fixtures: the tiny models by name, and the embedded real model (loaded once)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import TINY_MODELS  # noqa: E402
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(params=sorted(TINY_MODELS))
+def tiny_model(request):
+    """Each tiny architecture in turn (Gemma 3 brings MQA and sliding-window layers)."""
+    return TINY_MODELS[request.param]()
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """``(model, tokenizer)`` for the embedded SmolLM2-135M."""
+    from hf_kvpolicies.models import load_model
+
+    return load_model()

@@ -1,0 +1,74 @@
+"""Tiny random models built from configs: no download, fast enough for exactness tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _build(model_class, config) -> PreTrainedModel:
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    model.generation_config.pad_token_id = COMMON["pad_token_id"]
+    return model
+
+
+def tiny_llama(**overrides) -> PreTrainedModel:
+    """GQA: 4 query heads share 2 KV heads."""
+    return _build(LlamaForCausalLM, LlamaConfig(**{**COMMON, **overrides}))
+
+
+def tiny_mistral(**overrides) -> PreTrainedModel:
+    return _build(MistralForCausalLM, MistralConfig(**{**COMMON, "sliding_window": None, **overrides}))
+
+
+def tiny_qwen3(**overrides) -> PreTrainedModel:
+    return _build(Qwen3ForCausalLM, Qwen3Config(**{**COMMON, "head_dim": 16, **overrides}))
+
+
+def tiny_gemma3(**overrides) -> PreTrainedModel:
+    """MQA (one KV head) and a mix of sliding-window (window 8) and full-attention layers."""
+    config = Gemma3TextConfig(
+        **{
+            **COMMON,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            **overrides,
+        }
+    )
+    return _build(Gemma3ForCausalLM, config)
+
+
+TINY_MODELS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
