@@ -1,0 +1,153 @@
+"""Sink retention: the StreamingLLM layout of :class:`RingRetention`, made exact under RoPE and padding.
+
+Two things a plain ring with ``sinks > 0`` does not do:
+
+* **In-cache positions** (``rotary`` given; the paper's §3.2). Keys are stored rotated at their
+  absolute position and queries arrive rotated at theirs, so a sink at position ``i`` would sit
+  thousands of positions back. RoPE is relative: rotating the sinks by ``e``, the number of
+  tokens the forward's keys leave out (evicted so far), puts sink ``i`` at ``i + e``, just
+  before the oldest window token, while every window distance stays true. Each step rotates
+  the ``sinks`` keys from a copy taken as they arrived (never a rotated key rotated again, so
+  no rounding piles up over a long stream) and writes them through the storage: O(sinks).
+* **Padded rows.** The sinks are each row's first ``sinks`` *real* tokens, so a left-padded row
+  keeps what it would keep alone. The ring is shared by all rows (it evicts by position, which
+  is already right for every row); a row with ``p`` leading pads has pads in its first
+  ``min(p, sinks)`` sink slots, and slot ``j`` of that row receives the token at position
+  ``j + max(p, sinks)`` (one of the row's sinks) as it arrives. The slot stays masked until that
+  token leaves the ring, so no token is ever seen twice. The pad count comes from
+  :meth:`observe_padding`; rotation offsets are per row (``e - p``, the row's own evictions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rope import Rotary
+from ..storage import Storage
+from .window import RingRetention
+
+
+class SinkRetention(RingRetention):
+    """``sinks`` first real tokens per row plus the ``window`` most recent, optionally re-rotated."""
+
+    def __init__(self, window: int, sinks: int, rotary: Rotary | None = None) -> None:
+        """``rotary``: re-rotate the sinks to in-cache positions with it; ``None`` keeps absolute positions."""
+        super().__init__(window, sinks=sinks)
+        self.rotary = rotary
+        self.pads: torch.Tensor | None = None
+        """Leading pads per row (``LongTensor[batch]`` on the CPU), once a padded batch was seen."""
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+        """The sinks of every row as they arrived (``[batch, heads, sinks, head_dim]``)."""
+        self._padded = False
+        self._pins_end = 0  # positions below which every row's displaced sinks have arrived
+        self._stale = False  # sink copies changed since they were last written to the storage
+        self._offset: int | torch.Tensor = 0  # rotation the stored sinks carry
+
+    @property
+    def _tracking(self) -> bool:
+        return self.sinks > 0 and (self.rotary is not None or self._padded)
+
+    def observe_padding(self, padding: torch.Tensor) -> None:
+        if self.pads is None:
+            self.pads = (padding.cumsum(-1) == 0).sum(-1).cpu()
+            self._padded = bool(self.pads.any())
+            self._pins_end = int(self.pads.max()) + self.sinks  # a row's displaced sinks end at pads + sinks
+
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._tracking:
+            return super().update(storage, keys, values)
+        q = keys.shape[-2]
+        self._capture(keys, values)
+        # tokens this forward's keys leave out: the sinks must sit just before the oldest kept one
+        evicted = self.seen + q - self.returned_length(q)
+        self._write_sinks(storage, evicted)  # before the read or gather that attention uses
+        out = super().update(storage, keys, values)
+        if self._stale:  # displaced sinks that arrived before all sink slots were filled
+            self._write_sinks(storage, evicted)
+        return out
+
+    def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """Also shows a padded row's sink slot once the sink it received has left the ring."""
+        real = super().real_keys(padding, key_pos)
+        if not self._padded or key_pos.numel() <= self.sinks:
+            return real
+        ring = key_pos[self.sinks :]
+        floor = int(ring[ring >= 0].min())
+        slot = torch.arange(self.sinks)
+        received = self.pads.clamp(min=self.sinks)[:, None] + slot
+        shown = (slot < self.pads[:, None]) & (received < floor)
+        real[:, : self.sinks] |= shown.to(real.device)
+        return real
+
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        super().reorder(batch_index)
+        if self.sink_keys is not None:
+            index = batch_index.to(self.sink_keys.device)
+            self.sink_keys = self.sink_keys.index_select(0, index)
+            self.sink_values = self.sink_values.index_select(0, index)
+        if self.pads is not None:
+            self.pads = self.pads.index_select(0, batch_index.cpu())
+            if isinstance(self._offset, torch.Tensor):
+                self._offset = self._offset.index_select(0, batch_index.cpu())
+
+    def reset(self) -> None:
+        super().reset()
+        self.pads = self.sink_keys = self.sink_values = None
+        self._padded, self._pins_end, self._stale, self._offset = False, 0, False, 0
+
+    @property
+    def state_nbytes(self) -> int:
+        held = [self.sink_keys, self.sink_values, self.pads]
+        return super().state_nbytes + sum(t.nbytes for t in held if t is not None)
+
+    # --- internals ---------------------------------------------------------------------
+    def _capture(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the arriving tokens that are sinks: positions ``< sinks``, and displaced ones."""
+        start, q, sinks = self.seen, keys.shape[-2], self.sinks
+        if self.sink_keys is None:
+            batch, heads, _, head_dim = keys.shape
+            # at least float32, so the per-step rotation needs no conversion of its input
+            dtype = torch.promote_types(keys.dtype, torch.float32)
+            self.sink_keys = keys.new_zeros(batch, heads, sinks, head_dim, dtype=dtype)
+            self.sink_values = values.new_zeros(batch, heads, sinks, values.shape[-1])
+        if start < sinks:
+            count = min(sinks, start + q) - start
+            self.sink_keys[:, :, start : start + count] = keys[:, :, :count]
+            self.sink_values[:, :, start : start + count] = values[:, :, :count]
+        if not self._padded or start >= self._pins_end:
+            return
+        slot = torch.arange(sinks)
+        position = self.pads.clamp(min=sinks)[:, None] + slot
+        arriving = (slot < self.pads[:, None]) & (position >= start) & (position < start + q)
+        if arriving.any():
+            rows, slots = arriving.nonzero(as_tuple=True)
+            source = (position[rows, slots] - start).to(keys.device)
+            rows, slots = rows.to(keys.device), slots.to(keys.device)
+            self.sink_keys[rows, :, slots] = keys[rows, :, source]
+            self.sink_values[rows, :, slots] = values[rows, :, source]
+            self._stale = True
+
+    def _write_sinks(self, storage: Storage, evicted: int) -> None:
+        """Write the sinks, rotated by each row's own evictions, unless the storage has them already."""
+        if self.seen < self.sinks:
+            return  # the sink slots are still being filled by ordinary writes
+        if self.rotary is None:
+            offset: int | torch.Tensor = 0
+        elif self._padded:
+            offset = (evicted - self.pads).clamp(min=0)
+        else:
+            offset = max(0, evicted)
+        if not self._stale and _same(offset, self._offset):
+            return
+        keys = self.sink_keys if self.rotary is None else self.rotary.rotate(self.sink_keys, offset)
+        if keys.dtype != self.sink_values.dtype:
+            keys = keys.to(self.sink_values.dtype)
+        storage.write(0, keys, self.sink_values)
+        self._offset, self._stale = offset, False
+
+
+def _same(a: int | torch.Tensor, b: int | torch.Tensor) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

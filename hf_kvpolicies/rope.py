@@ -1,0 +1,151 @@
+"""Re-rotating cached keys with the model's own rotary position embedding (RoPE).
+
+A cached key arrives rotated at its absolute position ``p``: ``s * R(p) k`` (``s`` is the
+rotary ``attention_scaling`` that YaRN and LongRoPE fold into cos/sin). RoPE rotations of one
+plane compose additively, ``R(p + d) = R(d) R(p)``, so moving a stored key ``d`` positions later
+is one *pure* rotation by ``d``, with no scaling: applying ``s`` again would scale the key twice.
+
+Everything is read from the model's rotary module, not re-derived from the config: its
+``inv_freq`` buffer already folds in ``rope_theta``, the head dim, ``partial_rotary_factor``
+(its length is half the rotated dims) and the scaling type (linear, llama3, YaRN,
+proportional), exactly as the model applies them. The rotation layout (halves as in Llama, or
+interleaved pairs as in GLM and Cohere) is probed from the model's own ``rotate_half``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .model_layout import text_config
+
+LENGTH_DEPENDENT_TYPES = ("dynamic", "longrope")
+"""Rotary types whose frequencies change with the sequence length: a key stored under one set of
+frequencies cannot be moved by a rotation computed from another."""
+
+
+class Rotary:
+    """The rotation a model applies to the first ``rotary_dim`` dims of each key head."""
+
+    def __init__(self, inv_freq: torch.Tensor, interleaved: bool) -> None:
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self.interleaved = interleaved
+        self._memo: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def matrix(
+        self, offset: int | torch.Tensor, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The rotation by ``offset`` positions as a ``[head_dim, head_dim]`` matrix acting on the right.
+
+        ``offset``: an ``int``, or a ``LongTensor[batch]`` (then ``[batch, 1, head_dim, head_dim]``).
+        One small matmul rotates every sink of a layer, and every layer of a step shares the
+        matrix (the last one is memoised). Angles are taken in float64, so large offsets lose no
+        precision; the dims past ``rotary_dim`` (partial rotary) pass through unchanged.
+        """
+        per_row = isinstance(offset, torch.Tensor)
+        key = (tuple(offset.tolist()) if per_row else offset, head_dim, dtype, device)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        if per_row:
+            steps = offset.to("cpu", torch.float64)[:, None, None]
+        else:
+            steps = torch.tensor(float(offset), dtype=torch.float64)
+        angles = steps * self.inv_freq
+        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
+        dim = self.rotary_dim
+        basis = torch.eye(dim, dtype=torch.float64)  # row j becomes the image of basis vector j
+        block = basis * angles.cos() + self._rotate_half(basis) * angles.sin()
+        matrix = torch.eye(head_dim, dtype=torch.float64).repeat(*block.shape[:-2], 1, 1)
+        matrix[..., :dim, :dim] = block
+        if per_row:
+            matrix = matrix[:, None]
+        matrix = matrix.to(device, dtype)
+        self._memo = (key, matrix)
+        return matrix
+
+    def rotate(self, keys: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
+        """``keys`` (``[batch, heads, n, head_dim]``, already rotated) moved ``offset`` positions later,
+        in ``keys``' dtype promoted to at least float32."""
+        work = torch.promote_types(keys.dtype, torch.float32)
+        if keys.dtype != work:
+            keys = keys.to(work)
+        return keys @ self.matrix(offset, keys.shape[-1], work, keys.device)
+
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotary_of(model: nn.Module, layer_type: str = "full_attention") -> Rotary:
+    """The rotation that ``model`` applies to the keys of its ``layer_type`` layers.
+
+    Raises ``ValueError`` when keys cannot be re-rotated: no RoPE, length-dependent frequencies
+    (dynamic NTK, LongRoPE), multi-axis RoPE, or rotary dims that are not the leading ones (MLA).
+    """
+    config = text_config(model)
+    name = getattr(config, "model_type", type(model).__name__)
+    fix = "use positions='absolute', which keeps the keys as the model rotated them"
+    module = _rotary_module(model)
+    if module is None:
+        raise ValueError(
+            f"positions='cache' re-rotates keys with RoPE, but {name} has no rotary position embedding; {fix}"
+        )
+    rope_type = getattr(module, "rope_type", None) or "default"
+    per_type = isinstance(rope_type, dict)
+    if per_type:
+        rope_type = rope_type.get(layer_type) or "default"
+    if any(kind in rope_type for kind in LENGTH_DEPENDENT_TYPES):
+        raise ValueError(
+            f"positions='cache' cannot re-rotate keys under {name}'s rope_type={rope_type!r}: its frequencies "
+            f"change with the sequence length; {fix}"
+        )
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if per_type:
+        parameters = parameters.get(layer_type) or {}
+    if "mrope_section" in parameters or rope_type == "axial" or getattr(config, "qk_rope_head_dim", None):
+        raise ValueError(
+            f"positions='cache' supports one-axis RoPE on the leading key dims; {name} uses another layout; {fix}"
+        )
+    inv_freq = getattr(module, f"{layer_type}_inv_freq" if per_type else "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise ValueError(
+            f"{name}'s rotary module {type(module).__name__} has no frequencies for {layer_type!r} layers; {fix}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if 2 * inv_freq.numel() > head_dim:
+        raise ValueError(f"{name}'s rotary frequencies cover more than its head dim {head_dim}; {fix}")
+    return Rotary(inv_freq, _interleaved(module, name, fix))
+
+
+def _rotary_module(model: nn.Module) -> nn.Module | None:
+    """The decoder's shared rotary embedding (``model.model.rotary_emb`` in Llama-like models)."""
+    decoder = getattr(model, "base_model", model)
+    module = getattr(decoder, "rotary_emb", None)
+    if isinstance(module, nn.Module):
+        return module
+    return next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+
+
+def _interleaved(module: nn.Module, name: str, fix: str) -> bool:
+    """Probe the modeling file's ``rotate_half``: halves (Llama) or interleaved pairs (GLM, Cohere)."""
+    rotate_half = getattr(sys.modules.get(type(module).__module__), "rotate_half", None)
+    probe = torch.arange(1.0, 9.0)
+    halves = torch.cat([-probe[4:], probe[:4]])
+    pairs = torch.stack([-probe[1::2], probe[::2]], dim=-1).flatten()
+    if callable(rotate_half):
+        out = rotate_half(probe)
+        if torch.equal(out, halves):
+            return False
+        if torch.equal(out, pairs):
+            return True
+    raise ValueError(
+        f"{name} applies RoPE in a layout hf-kvpolicies does not recognise (no standard rotate_half); {fix}"
+    )
