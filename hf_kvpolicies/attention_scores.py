@@ -1,0 +1,198 @@
+"""How a cache sees attention: the step's queries, captured by hooks on each attention module.
+
+``Cache.update`` receives keys and values, never queries or attention weights, and sdpa returns
+no weights at all. There are two ways to show a cache the queries without editing model code:
+
+* an attention function registered with transformers' ``AttentionInterface`` (plus a mask
+  function with ``AttentionMaskInterface``), selected by renaming the model's attention
+  implementation. It sees the exact query, but the rename is a persistent change of
+  ``model.config`` that every later cache then runs under: the mask format that code keyed on
+  ``"sdpa"``/``"eager"`` reads (our own exact-mask hook among them), ``output_attentions``,
+  the model-specific eager function that the model passes as default, all go through the
+  wrapper, and nothing can undo the rename when the cache is dropped;
+* hooks on the attention modules, which rebuild the queries from what the module computes.
+
+We use hooks. The model, its config and transformers' registries stay untouched; the attention
+output is still computed by the model's own sdpa or eager code, so a budget that evicts nothing
+reproduces FullCache's logits exactly; for any other cache the hooks return after one check; they
+are installed once per model however many caches are built.
+
+Two hooks per attention module: a forward pre-hook sees the cache and the rotary ``cos``/``sin``
+and, when the layer's retention wants queries (it has ``receive_query``), arms the second, a
+forward hook on ``q_proj``, which takes the projection the module has just computed (no second
+matmul) and applies what the module applies next (a per-head ``q_norm`` where there is one, the
+modeling file's ``apply_rotary_pos_emb``), then hands the query to the retention before the
+module calls ``update``. That recipe is exact only for architectures whose attention computes its
+queries that way, so only those are accepted, checked when the cache is built.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import PolicyCache
+from .masks import MASK_FORMATS, decoder_of
+
+HOOK_ATTRIBUTE = "_hf_kvpolicies_query_hooks"
+SERVED_MODEL_TYPES = ("gemma", "gemma3_text", "llama", "mistral", "qwen2", "qwen3")
+"""Architectures whose attention computes ``rope(q_norm?(q_proj(x)))`` and nothing else."""
+
+SCORE_CHUNK_ELEMENTS = 1 << 22
+"""Attention probabilities held at once while scoring a long prompt (16 MiB in fp32)."""
+
+Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+QueryReceiver = Callable[[torch.Tensor, float, "torch.Tensor | None"], None]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder's attention modules, checked to be ones whose queries we can rebuild."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SERVED_MODEL_TYPES:
+        raise ValueError(
+            f"H2OCache rebuilds the queries of {', '.join(SERVED_MODEL_TYPES)} attention; {model_type!r} "
+            "may compute its queries differently: use a policy that needs no attention scores (window, sink)"
+        )
+    layers = getattr(decoder_of(model), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers) with attention H2OCache can see")
+    modules = []
+    for index, layer in enumerate(layers):
+        module = getattr(layer, "self_attn", None)
+        missing = [name for name in ("q_proj", "head_dim", "scaling", "layer_idx") if not hasattr(module, name)]
+        if missing:
+            raise ValueError(
+                f"layer {index} of {type(model).__name__} has no attention module H2OCache can serve "
+                f"(missing {', '.join(missing)} on {type(module).__name__}): it reads the queries from q_proj"
+            )
+        norm = getattr(module, "q_norm", None)
+        if norm is not None and tuple(getattr(norm, "weight", torch.empty(0)).shape) != (module.head_dim,):
+            raise ValueError(f"layer {index}: H2OCache serves a q_norm over the head dimension only")
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"layer {index}: H2OCache does not score softcapped attention logits")
+        if getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None) is None:
+            raise ValueError(f"{type(module).__name__}'s modeling file has no apply_rotary_pos_emb to rotate queries")
+        modules.append(module)
+    return modules
+
+
+def attach_query_hook(model: nn.Module) -> None:
+    """Install the query hooks once per model (idempotent: many caches never pile up hooks).
+
+    Raises ``ValueError`` for a model whose attention modules cannot be served.
+    """
+    modules = attention_modules(model)
+    decoder = decoder_of(model)
+    if getattr(decoder, HOOK_ATTRIBUTE, None) is not None:
+        return
+    handles = []
+    for module in modules:
+        tap = _QueryTap(module)
+        handles.append(module.register_forward_pre_hook(tap.arm, with_kwargs=True))
+        handles.append(module.q_proj.register_forward_hook(tap.capture))
+    setattr(decoder, HOOK_ATTRIBUTE, handles)
+
+
+def detach_query_hook(model: nn.Module) -> None:
+    """Remove the hooks (the model behaves as if no H2O cache had ever been built)."""
+    decoder = decoder_of(model)
+    for handle in getattr(decoder, HOOK_ATTRIBUTE, None) or ():
+        handle.remove()
+    setattr(decoder, HOOK_ATTRIBUTE, None)
+
+
+class _QueryTap:
+    """The two hooks of one attention module and what passes from the first to the second."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.rope: Rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+        self.receiver: QueryReceiver | None = None
+        self.position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.mask: torch.Tensor | None = None
+
+    def arm(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the attention module: does this layer's retention want queries?"""
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs.get("past_key_values")  # the name before transformers 5.40
+        self.receiver = None
+        if not isinstance(cache, PolicyCache):
+            return
+        receiver = getattr(cache.layers[module.layer_idx].retention, "receive_query", None)
+        if receiver is None:
+            return
+        implementation = module.config._attn_implementation
+        if implementation not in MASK_FORMATS:
+            raise ValueError(
+                f"H2OCache needs attention implementation 'sdpa' or 'eager' (the model uses {implementation!r}): "
+                "call model.set_attn_implementation('sdpa')"
+            )
+        self.receiver = receiver
+        self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        self.mask = kwargs.get("attention_mask")
+
+    def capture(self, q_proj: nn.Module, args: tuple, projected: torch.Tensor) -> None:
+        """Forward hook of ``q_proj``: finish the query as the module does and hand it over."""
+        receiver, self.receiver = self.receiver, None
+        if receiver is None:
+            return
+        module = self.module
+        query = projected.view(*projected.shape[:-1], -1, module.head_dim)
+        norm = getattr(module, "q_norm", None)
+        if norm is not None:
+            query = norm(query)
+        query = query.transpose(1, 2)
+        cos, sin = self.position_embeddings
+        query, _ = self.rope(query, query[:, :0], cos, sin)  # the rotation takes a key too: an empty one
+        mask, self.position_embeddings, self.mask = self.mask, None, None
+        receiver(query, module.scaling, mask)
+
+
+def sees_every_key(attention_mask: torch.Tensor) -> bool:
+    """True when the last query may attend to every key (no padding in a full-attention mask)."""
+    last = attention_mask[..., -1, :]
+    return bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
+
+
+def accumulated_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    chunk_elements: int | None = None,
+) -> torch.Tensor:
+    """Softmax probability received by each key, summed over queries and the query heads of its KV head.
+
+    ``query`` is ``[batch, query_heads, q, head_dim]``, ``keys`` ``[batch, kv_heads, k, head_dim]``;
+    query ``i`` sits at key index ``first_new + i`` and sees keys up to it (causal). Returns fp32
+    ``[batch, kv_heads, k]``. Queries are processed in chunks of at most ``chunk_elements``
+    (default :data:`SCORE_CHUNK_ELEMENTS`) probabilities, so the full query x key matrix of a
+    long prompt is never held at once; the arithmetic follows transformers' eager attention
+    (``q @ k^T * scaling``, then an fp32 softmax).
+    """
+    batch, query_heads, length, head_dim = query.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[2]
+    groups = query_heads // kv_heads
+    keys_t = keys.transpose(-1, -2)
+    if length == 1 and first_new + 1 >= key_count:  # a decode step (the hot path): no mask, no chunks
+        logits = torch.matmul(query.reshape(batch, kv_heads, groups, head_dim), keys_t) * scaling
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
+    grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
+    step = max(1, (chunk_elements or SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
+    total = None
+    for start in range(0, length, step):
+        stop = min(length, start + step)
+        rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
+        logits = (torch.matmul(rows, keys_t) * scaling).view(batch, kv_heads, groups, stop - start, key_count)
+        if first_new + start + 1 < key_count:  # a key lies after the chunk's first query
+            key_index = torch.arange(key_count, device=keys.device)
+            query_index = first_new + torch.arange(start, stop, device=keys.device)
+            logits = logits.masked_fill(key_index > query_index[:, None], float("-inf"))
+        part = torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=(2, 3))
+        total = part if total is None else total + part
+    return total

@@ -1,0 +1,46 @@
+"""H2OCache: the recent window plus the heavy hitters, evicting one token per head at every step."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from ..attention_scores import attach_query_hook
+from ..cache import PolicyCache
+from ..retention.h2o import H2ORetention
+from ..storage import StorageFactory
+from ..validation import check_tokens_or_fraction
+
+
+class H2OCache(PolicyCache):
+    """H2O (Zhang et al., 2023) inside an unmodified ``model.generate()``.
+
+    Per layer and KV head, keeps the ``recent`` most recent tokens plus the ``heavy`` tokens with
+    the largest accumulated attention (the sum of the softmax probabilities received from every
+    query so far, over the query heads sharing the KV head). Integers are token counts; floats in
+    (0, 1] are fractions of the length of the first forward's input (the prompt), fixed then: the
+    paper's 10% + 10% is ``heavy=0.1, recent=0.1``.
+
+    Once over budget, every decode step evicts one token per row and KV head and writes the new
+    token into the freed slot in place; a prompt longer than the budget is prefilled normally,
+    scored by its causal attention (in query chunks) and trimmed. Queries are seen through a
+    pre-hook on the attention modules (see :mod:`hf_kvpolicies.attention_scores`), installed once
+    per model and inert for every other cache; it works with ``sdpa`` and ``eager``.
+
+    Left-padded batches are rejected with ``NotImplementedError``; beam search reorders the
+    scores with the keys. The model's own sliding-window layers (Gemma 3) keep the model window.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        heavy: int | float = 512,
+        recent: int | float = 512,
+        storage: str | StorageFactory = "native",
+    ) -> None:
+        check_tokens_or_fraction("heavy", heavy)
+        check_tokens_or_fraction("recent", recent)
+        if isinstance(heavy, int) and isinstance(recent, int) and heavy + recent < 1:
+            raise ValueError(f"heavy + recent must keep at least 1 token, got heavy={heavy}, recent={recent}")
+        attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
+        self.heavy, self.recent = heavy, recent
+        super().__init__(model, lambda layout: H2ORetention(heavy, recent), storage=storage)

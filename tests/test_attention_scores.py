@@ -1,0 +1,84 @@
+"""How H2O sees attention: chunked scores equal unchunked ones; the hooks are installed once and inert."""
+
+from __future__ import annotations
+
+import torch
+from helpers import prefill_then_decode
+from tiny_models import random_ids, tiny_gemma3, tiny_llama
+from transformers import DynamicCache
+
+from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, attention_scores
+from hf_kvpolicies.attention_scores import accumulated_attention, detach_query_hook
+
+
+def naive_scores(query, keys, scaling, first_new):
+    """The whole query x key matrix at once: causal softmax, summed over queries and grouped heads."""
+    batch, query_heads, length, _ = query.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[2]
+    expanded = keys.repeat_interleave(query_heads // kv_heads, dim=1)
+    logits = query @ expanded.transpose(-1, -2) * scaling
+    future = torch.arange(key_count)[None, :] > (first_new + torch.arange(length))[:, None]
+    probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+    return probs.sum(2).view(batch, kv_heads, -1, key_count).sum(2)
+
+
+def test_chunked_scores_equal_unchunked(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 37, 8, generator=generator)
+    keys = torch.randn(2, 3, 50, 8, generator=generator)  # 13 kept keys, then the 37 new ones
+    expected = naive_scores(query, keys, 0.35, first_new=13)
+    sizes = []
+    softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, *a, **k: sizes.append(x.numel()) or softmax(x, *a, **k))
+    whole = accumulated_attention(query, keys, 0.35, first_new=13, chunk_elements=10**9)
+    assert sizes == [2 * 6 * 37 * 50]
+    for chunk_elements in (2 * 6 * 50 * 5, 1):  # 5 queries at a time, then one
+        sizes.clear()
+        chunked = accumulated_attention(query, keys, 0.35, first_new=13, chunk_elements=chunk_elements)
+        per_chunk = 5 if chunk_elements > 1 else 1
+        assert max(sizes) == 2 * 6 * 50 * per_chunk and len(sizes) == -(-37 // per_chunk)
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=0)
+
+
+def test_prefill_scores_do_not_depend_on_the_chunk(monkeypatch):
+    model = tiny_llama()
+    ids = random_ids(1, 60)
+    default = H2OCache(model, heavy=6, recent=4)
+    prefill_then_decode(model, ids, default, prefill=40)
+    monkeypatch.setattr(attention_scores, "SCORE_CHUNK_ELEMENTS", 4 * 40 * 3)  # 3 queries per chunk
+    chunked = H2OCache(model, heavy=6, recent=4)
+    prefill_then_decode(model, ids, chunked, prefill=40)
+    for a, b in zip(default.layers, chunked.layers):
+        assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())
+        torch.testing.assert_close(a.retention.scores, b.retention.scores, atol=1e-5, rtol=0)
+
+
+def hook_counts(model) -> list[tuple[int, int]]:
+    """(pre-hooks on each attention module, forward hooks on its q_proj)."""
+    attention = [layer.self_attn for layer in model.model.layers]
+    return [(len(module._forward_pre_hooks), len(module.q_proj._forward_hooks)) for module in attention]
+
+
+def test_hooks_are_installed_once_and_other_caches_are_unchanged():
+    model = tiny_gemma3()
+    ids = random_ids(1, 40)
+    caches = {
+        "dynamic": lambda: DynamicCache(config=model.config),
+        "full": lambda: FullCache(model),
+        "window": lambda: SlidingWindowCache(model, window=8),
+    }
+    before = {name: prefill_then_decode(model, ids, make(), prefill=12) for name, make in caches.items()}
+    with torch.no_grad():
+        plain = model(ids).logits  # no cache given: transformers builds its own
+    for _ in range(5):
+        prefill_then_decode(model, ids, H2OCache(model, heavy=4, recent=4), prefill=12)
+    assert hook_counts(model) == [(1, 1)] * 3
+    for name, make in caches.items():
+        assert torch.equal(prefill_then_decode(model, ids, make(), prefill=12), before[name]), name
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+    detach_query_hook(model)
+    assert hook_counts(model) == [(0, 0)] * 3
+    H2OCache(model, heavy=4, recent=4)  # a new cache installs them again
+    assert hook_counts(model) == [(1, 1)] * 3
