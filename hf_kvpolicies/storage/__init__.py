@@ -5,15 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .base import Storage
+from .fp8 import FP8Storage
 from .native import NativeStorage
 
 StorageFactory = Callable[[], Storage]
 
-_STORAGES: dict[str, StorageFactory] = {"native": NativeStorage}
+_STORAGES: dict[str, StorageFactory] = {"native": NativeStorage, "fp8": FP8Storage}
 
 
 def register_storage(name: str, factory: StorageFactory) -> None:
-    """Make ``storage=name`` available to every retention policy."""
+    """Make ``storage=name`` available to every retention policy.
+
+    A factory that also has ``from_options(text)`` (returning a factory) accepts options in the
+    name: ``storage="fp8:residual=16;dtype=e5m2"``.
+    """
     _STORAGES[name] = factory
 
 
@@ -22,14 +27,29 @@ def available_storages() -> list[str]:
 
 
 def storage_factory(storage: str | StorageFactory) -> StorageFactory:
-    """Resolve ``storage=`` (a registered name, or a zero-argument factory) to a factory."""
+    """Resolve ``storage=`` (a registered name, ``name:options``, or a zero-argument factory) to a factory."""
     if callable(storage):
         return storage
-    if storage not in _STORAGES:
+    name, _, options = str(storage).partition(":")
+    if name not in _STORAGES:
         raise ValueError(
             f"unknown storage {storage!r}: choose one of {', '.join(available_storages())}"
         )
-    return _STORAGES[storage]
+    factory = _STORAGES[name]
+    if not options:
+        return factory
+    from_options = getattr(factory, "from_options", None)
+    if from_options is None:
+        raise ValueError(f"storage {name!r} takes no options, got {storage!r}")
+    return from_options(options)
 
 
-__all__ = ["NativeStorage", "Storage", "StorageFactory", "available_storages", "register_storage", "storage_factory"]
+__all__ = [
+    "FP8Storage",
+    "NativeStorage",
+    "Storage",
+    "StorageFactory",
+    "available_storages",
+    "register_storage",
+    "storage_factory",
+]
