@@ -1,13 +1,45 @@
-"""Text to evaluate on: the embedded CPython reference manual, Hub datasets, or a local file."""
+"""Text to evaluate on: the embedded CPython reference manual, Hub datasets, or a local file.
+
+Hub datasets and local files go through the same ``datasets.load_dataset`` path (a local file
+through the packaged ``text`` builder, which needs no network), so a user who has the Hub and
+one who has only a file get their text the same way, cached by ``datasets`` alike.
+"""
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_TEXT = "pydoc"
+
+
+class DataError(ValueError):
+    """A dataset or text file that cannot be used; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A text dataset on the Hugging Face Hub, joined into one stream of documents."""
+
+    path: str
+    config: str | None
+    split: str
+    column: str = "text"
+    separator: str = "\n\n"
+
+    def describe(self) -> str:
+        return f"{self.path}" + (f"/{self.config}" if self.config else "") + f" ({self.split})"
+
+
+HUB_DATASETS: dict[str, HubDataset] = {
+    "wikitext2": HubDataset("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
+    "pg19": HubDataset("emozilla/pg19-test", None, "test"),  # PG-19's 100 test books, as parquet
+}
+DATASETS = (EMBEDDED_TEXT, *HUB_DATASETS)
 
 
 def embedded_text() -> str:
@@ -25,11 +57,75 @@ def embedded_text_version() -> str:
     return f"pydoc_data.topics (CPython {platform.python_version()})"
 
 
+def check_dataset(name: str) -> str:
+    if name not in DATASETS:
+        raise DataError(
+            f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or pass a local file with --text-file PATH"
+        )
+    return name
+
+
+def load_text(dataset: str = EMBEDDED_TEXT, text_file: str | Path | None = None) -> tuple[str, str]:
+    """``(text, label)``: the text of ``text_file`` when given, else of the named dataset.
+
+    The label says where the text came from (it goes into every result record).
+    """
+    if text_file is not None:
+        path = Path(text_file)
+        return _local_text(path), f"file:{path.resolve()}"
+    check_dataset(dataset)
+    if dataset == EMBEDDED_TEXT:
+        return embedded_text(), embedded_text_version()
+    source = HUB_DATASETS[dataset]
+    try:
+        rows = _load(source.path, source.config, split=source.split)
+    except Exception as error:  # datasets raises ConnectionError, FileNotFoundError, HfHubHTTPError...
+        raise DataError(
+            f"cannot load dataset {dataset!r} ({source.describe()}) from the Hugging Face Hub "
+            f"({type(error).__name__}: {_first_line(error)}); with no Hub access, pass a local file with --text-file PATH"
+        ) from error
+    return source.separator.join(rows[source.column]), f"{dataset}: {source.describe()}"
+
+
+def _local_text(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"--text-file {str(path)!r} does not exist or is not a file: pass the path of a UTF-8 text file")
+    try:
+        rows = _load("text", data_files=str(path.resolve()), split="train", sample_by="document")
+    except Exception as error:
+        raise DataError(
+            f"cannot read --text-file {str(path)!r} as text ({type(error).__name__}: {_first_line(error)}): "
+            "pass a UTF-8 text file"
+        ) from error
+    text = "\n\n".join(rows["text"])
+    if not text.strip():
+        raise DataError(f"--text-file {str(path)!r} is empty: pass a file with text in it")
+    return text
+
+
+def _load(path: str, config: str | None = None, **kwargs):
+    import datasets  # imported here: it takes a second, and the embedded text does not need it
+
+    return datasets.load_dataset(path, config, **kwargs)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str, count: int | None = None) -> torch.Tensor:
-    """``[1, count]`` token ids of ``text`` (all of it when ``count`` is None)."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    """``[1, count]`` token ids of ``text`` (all of it when ``count`` is None).
+
+    For a count, a prefix of the text is tried first: tokenizing a whole book to use its
+    first thousand tokens would cost more than the evaluation.
+    """
     if count is not None:
+        prefix = text[: 8 * count + 1024]
+        ids = tokenizer(prefix, return_tensors="pt", add_special_tokens=False).input_ids
+        if ids.shape[1] < count + 64 and len(prefix) < len(text):  # the cut must stay clear of the tokens kept
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         if ids.shape[1] < count:
-            raise ValueError(f"the text has {ids.shape[1]} tokens, fewer than the {count} asked for")
-        ids = ids[:, :count]
-    return ids
+            raise DataError(f"the text has {ids.shape[1]} tokens, fewer than the {count} asked for")
+        return ids[:, :count]
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids

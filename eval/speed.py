@@ -1,13 +1,19 @@
-"""Decode latency at a given context length, timed the same way for every policy."""
+"""Prefill time and decode latency at given context lengths, timed the same way for every policy.
+
+Every timing waits for queued GPU work before and after (``synchronize``), and each context
+starts with untimed warm-up steps, so the first kernel launches and allocator growth are
+not charged to the policy that happens to run first.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
@@ -34,7 +40,7 @@ def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int 
     ids = ids.to(model.device)
     logits = None
     for start in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True).logits[:, -1]
+        logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits
 
 
@@ -47,10 +53,13 @@ def decode_latency(
     steps: int = 16,
     warmup: int = 2,
 ) -> dict[str, float]:
-    """ms per decoded token once ``context`` tokens are in the cache: median and p90 over ``steps``."""
+    """ms per decoded token once ``context`` tokens are in the cache: median and p90 over ``steps``,
+    the tokens/s that the median gives, and the time of the (chunked) prefill of the context."""
     cache = make_cache()
-    prefill(model, ids[:, :context], cache)
     device = model.device
+    prefill_time: list[float] = []
+    with timer(device, prefill_time):
+        prefill(model, ids[:, :context], cache)
     token = ids[:, context : context + 1].to(device)
     times: list[float] = []
     for step in range(warmup + steps):
@@ -61,9 +70,36 @@ def decode_latency(
         if step >= warmup:
             times.append(sample[0] * 1000)
     times.sort()
+    median = statistics.median(times)
     return {
-        "median_ms": statistics.median(times),
+        "median_ms": median,
         "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
+        "tokens_per_s": 1000 / median,
+        "prefill_ms": prefill_time[0] * 1000,
         "context": context,
         "steps": steps,
     }
+
+
+def speed_profile(
+    model: PreTrainedModel,
+    make_cache: Callable[[], Cache],
+    ids: torch.Tensor,
+    contexts: Sequence[int],
+    steps: int = 16,
+    progress: bool = False,
+    desc: str = "speed",
+) -> dict[str, list[float]]:
+    """:func:`decode_latency` at each context, as lists in context order.
+
+    The smallest context is run once untimed first: a prefill's first shapes cost extra
+    (kernel selection, allocator growth) whatever the policy.
+    """
+    decode_latency(model, make_cache, ids, min(contexts), steps=1, warmup=1)
+    figures: dict[str, list[float]] = {"contexts": [], "prefill_ms": [], "median_ms": [], "p90_ms": [], "tokens_per_s": []}
+    for context in tqdm(contexts, disable=not progress, desc=desc, leave=False, unit="context"):
+        timing = decode_latency(model, make_cache, ids, context, steps=steps)
+        figures["contexts"].append(context)
+        for key in ("prefill_ms", "median_ms", "p90_ms", "tokens_per_s"):
+            figures[key].append(timing[key])
+    return figures

@@ -9,16 +9,26 @@ Two independent axes: *retention* (which tokens stay: full, window, sink, H2O) a
 
 from .cache import PolicyCache, PolicyLayer
 from .policies import FullCache, SlidingWindowCache
+from .policies.fp8 import FP8Cache
+from .policies.h2o import H2OCache
+from .policies.sink import SinkCache
 from .specs import available_policies, from_spec, parse_spec, register_policy
-from .storage import available_storages, register_storage
+from .storage import FP8Storage, available_storages, register_storage
 
 register_policy("full", FullCache)
 register_policy("window", SlidingWindowCache)
+register_policy("fp8", FP8Cache)
+register_policy("h2o", H2OCache)
+register_policy("sink", SinkCache)
 
 __all__ = [
+    "FP8Cache",
+    "FP8Storage",
     "FullCache",
+    "H2OCache",
     "PolicyCache",
     "PolicyLayer",
+    "SinkCache",
     "SlidingWindowCache",
     "available_policies",
     "available_storages",

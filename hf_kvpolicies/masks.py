@@ -52,7 +52,11 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if not isinstance(cache, PolicyCache) or all(layer.retention.in_position_order for layer in cache.layers):
         return None
     padding = kwargs.get("attention_mask")
-    if padding is None or padding.dim() != 2 or cache.get_seq_length() == 0 or bool(padding.all()):
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2 or bool(padding.all()):
+        return None
+    for layer in cache.layers:
+        layer.retention.observe_padding(padding)
+    if cache.get_seq_length() == 0:
         return None
     embeds = kwargs.get("inputs_embeds")
     inputs = kwargs.get("input_ids") if embeds is None else embeds
@@ -88,7 +92,7 @@ def allowed_keys(retention, padding: torch.Tensor, query_length: int) -> torch.T
     query_pos = torch.arange(retention.seen, retention.seen + query_length)
     causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
     allowed = (causal & retention.visible(query_pos, key_pos)).to(device)
-    is_token = padding.to(device=device, dtype=torch.bool)[:, key_pos.clamp(min=0).to(device)]
+    is_token = retention.real_keys(padding.to(device=device, dtype=torch.bool), key_pos.to(device))
     allowed = allowed[None, :, :] & is_token[:, None, :]
     # a query with nothing to attend to (a pad in the prompt) attends to everything instead of
     # producing NaN; its output is never used

@@ -20,3 +20,42 @@ def prefill_then_decode(model: PreTrainedModel, ids: torch.Tensor, cache: Cache,
 def greedy(model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None, new_tokens: int, **kwargs) -> torch.Tensor:
     extra = {} if cache is None else {"cache": cache}
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **extra, **kwargs)
+
+
+@torch.no_grad()
+def streaming_reference(
+    model: PreTrainedModel, ids: torch.Tensor, window: int, sinks: int = 0, causal_prefix: int = 0
+) -> torch.Tensor:
+    """Logits of one full-sequence forward under an explicit 4-D mask: each query sees itself,
+    the ``window`` tokens before it and the first ``sinks`` tokens (the first ``causal_prefix``
+    queries, a prefilled prompt, see every token before them). The model's own sliding layers
+    keep their trained window."""
+    batch, length = ids.shape
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    seen = (q - k <= window) | (k < sinks) | (q < causal_prefix)
+    mask = ((k <= q) & seen).expand(batch, 1, length, length)
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        trained = ((k <= q) & (q - k <= model.config.sliding_window - 1)).expand(batch, 1, length, length)
+        mask = {"full_attention": mask, "sliding_attention": trained}
+    return model(ids, attention_mask=mask).logits
+
+
+@torch.no_grad()
+def generated_logits(
+    model: PreTrainedModel, ids: torch.Tensor, cache: Cache, new_tokens: int, **kwargs
+) -> torch.Tensor:
+    """``[batch, new_tokens, vocab]`` logits of greedy generation (EOS suppressed: every row runs to the end)."""
+    out = model.generate(
+        ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, **kwargs,
+    )
+    return torch.stack(out.logits, dim=1)
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch from rows (``[1, n]``) of different lengths, left-padded with the pad id 0, and its mask."""
+    length = max(row.shape[1] for row in rows)
+    ids = torch.cat([torch.nn.functional.pad(row, (length - row.shape[1], 0)) for row in rows])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(row), (length - row.shape[1], 0)) for row in rows])
+    return ids, mask

@@ -72,3 +72,28 @@ TINY_MODELS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen3": tiny_qwen3
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def char_tokenizer():
+    """A character-level tokenizer whose ids fit the tiny models' vocabulary (``VOCAB``)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for char in "\n\t" + "".join(chr(code) for code in range(32, 127)):
+        vocab[char] = len(vocab)
+    assert len(vocab) <= VOCAB
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def save_tiny_model(folder, factory=tiny_llama, **overrides):
+    """Save a tiny model and :func:`char_tokenizer` into ``folder``, loadable as ``--model folder``."""
+    model = factory(**overrides)
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder

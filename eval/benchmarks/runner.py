@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..data import embedded_text, embedded_text_version, tokenize
+from ..memory import footprint
 from ..perplexity import perplexity, streaming_nll
 from ..speed import decode_latency, prefill
 
@@ -30,15 +31,6 @@ class Contender:
     label: str
     make: CacheFactory
     figures: dict[str, float] = field(default_factory=dict)
-
-
-def footprint(cache: Cache) -> int:
-    """Bytes held by a cache: ours report it; transformers' caches are summed tensor by tensor."""
-    if hasattr(cache, "get_memory_footprint"):
-        return cache.get_memory_footprint()
-    return sum(
-        t.nbytes for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)
-    )
 
 
 def arguments(description: str, ppl_tokens: int = 2000, contexts: Sequence[int] = (1024, 2048, 4096)):

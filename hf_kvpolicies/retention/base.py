@@ -130,6 +130,19 @@ class Retention(ABC):
         """Which keys each query may attend to, beyond causality (all kept ones by default)."""
         return torch.ones(query_pos.numel(), key_pos.numel(), dtype=torch.bool)
 
+    def observe_padding(self, padding: torch.Tensor) -> None:
+        """Sees the 2-D padding mask of a padded batch before each forward, prefill included
+        (for layouts that differ per row; nothing by default)."""
+
+    def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv]`` bool: which keys of the next update hold a real token in each row.
+
+        ``padding`` is the bool 2-D mask, ``key_pos`` comes from :meth:`key_positions`. By default
+        a key is real where the padding is at its position; a layout that puts different tokens
+        of different rows in one slot refines this.
+        """
+        return padding[:, key_pos.clamp(min=0)]
+
     def reorder(self, batch_index: torch.Tensor) -> None:
         """Per-row state to reorder with the storage (nothing for layouts shared by all rows)."""
 

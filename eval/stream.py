@@ -1,0 +1,107 @@
+"""Feeding a token stream through a cache: one token per forward, or C tokens per forward with
+attention masks that make the result equal to one token per forward.
+
+Token by token, the query at position ``t`` attends to what the cache kept of ``[0, t)`` plus
+itself. A C-token forward over a bounded cache, left to the library, attends with ordinary
+causal attention over the kept tokens and all C new ones (then trims): early queries of the
+chunk would see tokens that streaming had already evicted. The fix is a banded 4-D mask: the
+query at ``t`` sees key ``p`` iff ``p == t`` or ``p`` is among the tokens the retention keeps
+of ``[0, t)``. Transformers uses a 4-D ``attention_mask`` as given.
+
+That is exact only when what a layer keeps depends on positions alone and keys are stored as
+they arrived (:func:`chunks_are_exact`): full, window and sinks at absolute positions, on native
+storage. H2O (keeps by attention scores), sinks re-rotated to in-cache positions and lossy
+storage change under chunking; their chunked runs are approximate, and labelled so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from hf_kvpolicies.cache import PolicyCache
+from hf_kvpolicies.masks import MASK_FORMATS, to_attention_format
+from hf_kvpolicies.retention import FullRetention, Retention, RingRetention
+from hf_kvpolicies.retention.sink import SinkRetention
+
+DEFAULT_CHUNK = 256
+"""Tokens per forward where chunking is exact and no ``--chunk-size`` is given."""
+
+
+def chunks_are_exact(cache: Cache, model: PreTrainedModel) -> bool:
+    """Whether C tokens per forward under :func:`streaming_masks` equal token-by-token streaming."""
+    if not isinstance(cache, PolicyCache) or cache.storage != "native":
+        return False
+    if model.config._attn_implementation not in MASK_FORMATS:
+        return False  # the mask must reach attention as a 4-D tensor
+    return all(_keeps_by_position(layer.retention) for layer in cache.layers)
+
+
+def _keeps_by_position(retention: Retention) -> bool:
+    if type(retention) in (FullRetention, RingRetention):
+        return True
+    return type(retention) is SinkRetention and retention.rotary is None
+
+
+def resolve_chunk(cache: Cache, model: PreTrainedModel, requested: int | None) -> tuple[int, bool]:
+    """``(tokens per forward, approximate)`` for a run.
+
+    ``requested=None`` (the default mode) chunks only where that is exact and streams the other
+    policies token by token, so every default figure is the streaming one.
+    """
+    exact = chunks_are_exact(cache, model)
+    chunk = (DEFAULT_CHUNK if exact else 1) if requested is None else requested
+    return chunk, chunk > 1 and not exact
+
+
+def streamed_keys(retention: Retention, query_length: int) -> torch.Tensor:
+    """Boolean ``[q, kv]``: which of the keys the next update returns each new query would see
+    when fed token by token (the retention must keep by position alone)."""
+    key_pos = retention.key_positions(query_length)
+    lookup, real = key_pos.clamp(min=0), key_pos >= 0
+    kept = torch.zeros(retention.seen + query_length, dtype=torch.bool)  # by position, reused per query
+    rows = []
+    for t in range(retention.seen, retention.seen + query_length):
+        history = torch.arange(t)
+        kept.zero_()
+        kept[history[retention.select(history)]] = True
+        kept[t] = True
+        rows.append(kept[lookup] & real)
+    return torch.stack(rows)
+
+
+def streaming_masks(cache: PolicyCache, query_length: int, model: PreTrainedModel):
+    """The ``attention_mask`` for the next forward of ``query_length`` tokens: one tensor, or
+    ``{layer_type: mask}`` for models that mix sliding and full attention layers."""
+    implementation = model.config._attn_implementation
+    masks: dict[str, torch.Tensor] = {}
+    for layer in cache.layers:
+        layer_type = "sliding_attention" if layer.is_sliding else "full_attention"
+        if layer_type not in masks:
+            allowed = streamed_keys(layer.retention, query_length)[None, None].to(model.device)
+            masks[layer_type] = to_attention_format(allowed, implementation, model.dtype)
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+@torch.no_grad()
+def feed(
+    model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int, every_logit: bool = True
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Run ``ids`` (``[batch, n]``, rows of equal length) through ``model`` into ``cache``,
+    ``chunk`` tokens per forward.
+
+    Yields ``(start, end, logits)`` after each forward: the logits of tokens ``[start, end)``
+    (``[batch, end - start, vocab]``), or of the last one only (``[batch, 1, vocab]``) when
+    ``every_logit`` is False, which spares the vocabulary projection of every other position.
+    """
+    ids = ids.to(model.device)
+    masked = chunk > 1 and chunks_are_exact(cache, model)
+    keep = 0 if every_logit else 1
+    for start in range(0, ids.shape[1], chunk):
+        end = min(start + chunk, ids.shape[1])
+        mask = streaming_masks(cache, end - start, model) if masked and end - start > 1 else None
+        out = model(ids[:, start:end], attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
+        yield start, end, out.logits

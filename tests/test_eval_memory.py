@@ -1,0 +1,56 @@
+"""Memory figures: the footprint along the stream is the analytic size; the peak is measured."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import random_ids, tiny_llama
+from transformers import DynamicCache
+
+from eval.memory import MemoryTrace, PeakMemory, footprint
+from eval.perplexity import streaming_nll
+from hf_kvpolicies import FullCache, SlidingWindowCache
+
+
+def analytic_bytes(model, slots: int) -> int:
+    """Keys and values of every layer over ``slots`` slots, plus each layer's slot positions (int64)."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.num_key_value_heads * head_dim * slots * 4 + slots * 8
+    return config.num_hidden_layers * per_layer
+
+
+def test_footprint_along_the_stream_is_the_analytic_size():
+    model = tiny_llama()
+    ids = random_ids(1, 301)
+    for cache, slots_at in (
+        (FullCache(model), lambda n: 256 if n <= 256 else 512),  # 256 slots at first, doubled once full
+        (SlidingWindowCache(model, window=16), lambda n: 17),  # the ring: window + 1 slots from the start
+    ):
+        trace = MemoryTrace(cache, torch.device("cpu"), stride=50)
+        with trace:
+            streaming_nll(model, ids, cache, observer=trace.observe)
+        trace.finish(300)
+        assert trace.positions == [1, 51, 101, 151, 201, 251, 300]
+        assert trace.bytes == [analytic_bytes(model, slots_at(n)) for n in trace.positions]
+
+
+def test_footprint_of_a_transformers_cache_sums_its_tensors():
+    model = tiny_llama()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(random_ids(1, 10), cache=cache)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert footprint(cache) == config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 10 * 4
+
+
+def test_peak_memory_on_the_cpu_sees_a_large_allocation():
+    with PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(48 * 2**20)  # 192 MiB, touched
+        peak.sample()
+        del block
+    assert peak.source == "sampled RSS"
+    assert peak.growth >= 150 * 2**20
+    with PeakMemory(torch.device("cpu")) as idle:
+        pass
+    assert idle.growth < 16 * 2**20

@@ -1,0 +1,102 @@
+"""Streaming perplexity and its fast mode: exact where the masks make it so, labelled elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import random_ids, tiny_llama
+
+from eval.perplexity import curve, perplexity, streaming_nll
+from eval.stream import DEFAULT_CHUNK, chunks_are_exact, feed, resolve_chunk
+from hf_kvpolicies import FullCache, PolicyCache, SlidingWindowCache, from_spec
+from hf_kvpolicies.retention import RingRetention
+from hf_kvpolicies.retention.sink import SinkRetention
+from hf_kvpolicies.storage.native import NativeStorage
+
+
+def sink_absolute(model, sinks: int = 4, window: int = 20) -> PolicyCache:
+    """The StreamingLLM layout at absolute positions (what ``sink:...,positions=absolute`` builds)."""
+    return PolicyCache(model, lambda layout: SinkRetention(window, sinks, rotary=None))
+
+
+CACHES = {
+    "full": FullCache,
+    "window": lambda model: SlidingWindowCache(model, window=20),
+    "sink": sink_absolute,
+}
+
+
+def test_full_cache_streaming_equals_one_forward(tiny_model):
+    ids = random_ids(1, 80)
+    with torch.no_grad():
+        logits = tiny_model(ids).logits[0, :-1].double()
+    expected = math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
+    got = perplexity(streaming_nll(tiny_model, ids, FullCache(tiny_model)))
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("policy", sorted(CACHES))
+def test_fast_mode_equals_token_by_token(tiny_model, policy):
+    ids = random_ids(1, 90, seed=4)
+    make = CACHES[policy]
+    reference = streaming_nll(tiny_model, ids, make(tiny_model))
+    for chunk in (7, 32):  # neither divides the 89 predictions: a short last chunk too
+        cache = make(tiny_model)
+        assert resolve_chunk(cache, tiny_model, chunk) == (chunk, False)
+        got = streaming_nll(tiny_model, ids, cache, chunk_size=chunk)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+        assert perplexity(got) == pytest.approx(perplexity(reference), rel=1e-5)
+
+
+def test_chunks_without_the_masks_would_differ():
+    """The library's multi-token semantics (causal over kept + new) lets early queries of a
+    chunk see evicted tokens: the banded masks are what makes fast mode exact."""
+    model = tiny_llama()
+    ids = random_ids(1, 90, seed=4)
+    reference = streaming_nll(model, ids, SlidingWindowCache(model, window=8))
+    cache = SlidingWindowCache(model, window=8)
+    nll = []
+    for start, end, logits in _unmasked(model, ids[:, :-1], cache, 32):
+        nll.append(torch.logsumexp(logits, -1) - logits.gather(-1, ids[0, start + 1 : end + 1, None])[:, 0])
+    assert (torch.cat(nll).double() - reference).abs().max() > 1e-2
+
+
+def _unmasked(model, ids, cache, chunk):
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            end = min(start + chunk, ids.shape[1])
+            yield start, end, model(ids[:, start:end], cache=cache).logits[0]
+
+
+def test_policies_that_chunking_changes_are_approximate():
+    model = tiny_llama()
+    h2o = from_spec(model, "h2o:heavy=8,recent=8")
+    assert not chunks_are_exact(h2o, model)
+    assert resolve_chunk(h2o, model, None) == (1, False)  # default mode: streamed token by token
+    assert resolve_chunk(h2o, model, 16) == (16, True)  # asked for: chunked, labelled approximate
+    other_storage = PolicyCache(model, lambda layout: RingRetention(16), storage=NativeStorage)
+    assert not chunks_are_exact(other_storage, model)
+    assert resolve_chunk(FullCache(model), model, None) == (DEFAULT_CHUNK, False)
+    assert resolve_chunk(FullCache(model), model, 1) == (1, False)
+
+
+def test_feed_keeps_only_the_last_logit_for_prompts():
+    model = tiny_llama()
+    ids = random_ids(1, 40)
+    every = list(feed(model, ids, FullCache(model), 16))
+    last = list(feed(model, ids, FullCache(model), 16, every_logit=False))
+    assert [(s, e) for s, e, _ in every] == [(0, 16), (16, 32), (32, 40)]
+    assert [logits.shape for *_, logits in every] == [(1, 16, 128), (1, 16, 128), (1, 8, 128)]
+    assert [logits.shape for *_, logits in last] == [(1, 1, 128)] * 3
+    torch.testing.assert_close(last[-1][2][0, -1], every[-1][2][0, -1], atol=1e-5, rtol=0)
+
+
+def test_curve_is_windowed_perplexity_by_position():
+    nll = torch.cat([torch.zeros(10), torch.full((10,), math.log(4.0))]).double()
+    positions, values = curve(nll, bins=2)
+    assert positions == [10, 20]
+    assert values == pytest.approx([1.0, 4.0])
+    positions, values = curve(nll[:7], bins=3)
+    assert positions == [3, 6, 7]

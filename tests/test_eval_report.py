@@ -1,0 +1,125 @@
+"""Records (write, resume, read) and the tables and plots rendered from them alone."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from eval.records import append_record, environment, identity, read_records
+from eval.report import csv_text, latex, markdown, summarize, write_report
+
+SETUP = {"model": "m", "gguf_file": None, "dataset": "d", "device": "cpu", "dtype": "float32"}
+
+
+def record(policy: str, task: str, index: int, **figures) -> dict:
+    return {**SETUP, "policy": policy, "task": task, "policy_index": index, "params": {}, "approximate": False, **figures}
+
+
+def sweep_records() -> list[dict]:
+    records = []
+    for index, (policy, ppl, kv, acc, approx) in enumerate(
+        [("full", 10.0, 8 * 2**20, 1.0, False), ("window:window=256", 15.0, 2**20, 0.5, False), ("h2o:heavy=2,recent=2", 12.5, 2**20, 0.75, True)]
+    ):
+        records.append(record(policy, "perplexity", index, ppl=ppl, tokens=100, approximate=approx, curve_positions=[50, 99], curve_ppl=[ppl, ppl]))
+        records.append(record(policy, "memory", index, footprint_bytes=kv, peak_memory_bytes=2 * kv, footprint_positions=[1, 99], footprint_trace=[kv, kv]))
+        records.append(record(policy, "speed", index, contexts=[64, 128], prefill_ms=[5.0, 10.0], median_ms=[2.0, 4.0 / (index + 1)], p90_ms=[3.0, 5.0], tokens_per_s=[500.0, 250.0 * (index + 1)]))
+        cells = [{"length": n, "depth": d, "passkey": "12345", "answer": "", "correct": acc >= 0.5 + d} for n in (64, 128) for d in (0.0, 0.5)]
+        records.append(record(policy, "passkey", index, accuracy=acc, cells=cells, params={"lengths": [64, 128], "depths": [0.0, 0.5]}))
+    return records
+
+
+def test_records_round_trip_and_a_cut_last_line_is_skipped(tmp_path):
+    path = tmp_path / "results.jsonl"
+    first, second = record("full", "perplexity", 0, ppl=3.0), record("full", "memory", 0, footprint_bytes=7)
+    append_record(path, first)
+    append_record(path, second)
+    with open(path, "a") as handle:
+        handle.write('{"policy": "window", "ta')  # a write interrupted half way
+    assert read_records(path) == [first, second]
+    assert read_records(tmp_path / "missing.jsonl") == []
+
+
+def test_identity_is_what_was_measured_not_the_figures():
+    a = record("full", "perplexity", 0, ppl=3.0, params={"tokens": 100})
+    assert identity(a) == identity({**a, "ppl": 4.0, "elapsed_s": 9.0, "policy_index": 3})
+    assert identity(a) != identity({**a, "params": {"tokens": 200}})
+    assert identity(a) != identity({**a, "policy": "window"})
+    assert identity(a) != identity({**a, "device": "cuda"})
+
+
+def test_environment_names_the_libraries():
+    env = environment()
+    assert {"torch", "transformers", "hf-kvpolicies", "python"} <= set(env["versions"])
+    assert env["versions"]["torch"]
+
+
+def test_tables_carry_values_and_ratios_to_the_full_cache():
+    table = summarize(sweep_records())
+    assert [row.policy for row in table.rows] == ["full", "window:window=256", "h2o:heavy=2,recent=2"]
+    text = markdown(table)
+    assert "| window:window=256 | 15.000 (1.50x) | 1.00 (0.12x) |" in text
+    assert "| h2o:heavy=2,recent=2 | 12.500* (1.25x) | 1.00 (0.12x) |" in text  # only its PPL is approximate
+    assert "\n* approximate: chunked forwards" in text
+    assert "decode ms @64" in text and "decode ms @128" in text and "| 0.50 (0.50x) |" in text
+    rows = list(csv.DictReader(io.StringIO(csv_text(table))))
+    assert [row["policy"] for row in rows] == ["full", "window:window=256", "h2o:heavy=2,recent=2"]
+    assert float(rows[1]["PPL"]) == 15.0 and float(rows[1]["PPL vs full"]) == 1.5
+    assert float(rows[2]["tok/s @128"]) == 750.0 and float(rows[2]["tok/s @128 vs full"]) == 3.0
+    assert [row["approximate"] for row in rows] == ["", "", "perplexity"]
+    tex = latex(table)
+    assert tex.count(r"\toprule") == 1 and r"\midrule" in tex and r"\bottomrule" in tex
+    assert r"\texttt{window:window=256} & 15.000 (1.50$\times$)" in tex
+    assert r"\texttt{h2o:heavy=2,recent=2} & 12.500* (1.25$\times$)" in tex and "% * approximate" in tex
+    assert r"\_" not in tex.split(r"\toprule")[0]  # the caption comment is plain
+    assert all(line.endswith(r"\\") for line in tex.splitlines() if " & " in line)
+
+
+def test_plot_legends_label_approximate_figures():
+    h2o = summarize(sweep_records()).rows[2]
+    assert h2o.label(task="perplexity") == "h2o:heavy=2,recent=2 (approx.)"
+    assert h2o.label(task="memory") == "h2o:heavy=2,recent=2"
+
+
+def test_latex_escapes_spec_characters():
+    records = [record("sink:sink_tokens=4,window=252", "perplexity", 0, ppl=5.0, tokens=9)]
+    assert r"\texttt{sink:sink\_tokens=4,window=252}" in latex(summarize(records))
+
+
+def test_no_full_cache_means_no_ratios():
+    records = [r for r in sweep_records() if r["policy"] != "full"]
+    text = markdown(summarize(records))
+    assert "| window:window=256 | 15.000 |" in text and "x)" not in text
+
+
+def test_later_record_of_a_run_wins_and_rows_keep_sweep_order():
+    records = sweep_records()
+    shuffled = records[4:] + records[:4] + [record("full", "perplexity", 0, ppl=11.0, tokens=100)]
+    table = summarize(shuffled)
+    assert [row.policy for row in table.rows][0] == "full"
+    assert table.values[0][0] == 11.0
+
+
+def test_write_report_makes_tables_and_plots(tmp_path):
+    text = write_report(tmp_path, sweep_records())
+    assert (tmp_path / "summary.md").read_text() == text
+    for name in ("summary.csv", "summary.tex", "perplexity.png", "memory.png", "latency.png", "passkey.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mixed_setups_get_their_own_rows():
+    records = sweep_records() + [{**r, "device": "cuda"} for r in sweep_records()]
+    table = summarize(records)
+    assert len(table.rows) == 6 and table.with_setup
+    assert "m, d, cuda float32 | full" in markdown(table)
+    devices = [row["device"] for row in csv.DictReader(io.StringIO(csv_text(table)))]
+    assert devices == ["cpu"] * 3 + ["cuda"] * 3
+
+
+@pytest.mark.parametrize("task", ["perplexity", "memory", "speed", "passkey"])
+def test_one_task_alone_renders(task, tmp_path):
+    records = [r for r in sweep_records() if r["task"] == task]
+    write_report(tmp_path, records)
+    assert (tmp_path / "summary.md").read_text().count("\n|") == 5  # header, rule, 3 policies

@@ -1,0 +1,44 @@
+"""Speed figures: shapes and internal consistency (timings themselves are benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import random_ids, tiny_llama
+
+from eval.speed import decode_latency, prefill, speed_profile, synchronize, timer
+from hf_kvpolicies import FullCache, SlidingWindowCache
+
+
+def test_decode_latency_reports_prefill_median_p90_and_rate():
+    model = tiny_llama()
+    timing = decode_latency(model, lambda: FullCache(model), random_ids(1, 80), context=64, steps=6)
+    assert timing["context"] == 64 and timing["steps"] == 6
+    assert 0 < timing["median_ms"] <= timing["p90_ms"]
+    assert timing["tokens_per_s"] == 1000 / timing["median_ms"]
+    assert timing["prefill_ms"] > 0
+
+
+def test_speed_profile_lists_every_context_in_order():
+    model = tiny_llama()
+    figures = speed_profile(model, lambda: SlidingWindowCache(model, window=16), random_ids(1, 80), [16, 48], steps=3)
+    assert figures["contexts"] == [16, 48]
+    assert all(len(figures[key]) == 2 for key in ("prefill_ms", "median_ms", "p90_ms", "tokens_per_s"))
+
+
+def test_prefill_fills_the_cache_in_chunks_and_returns_the_last_logits():
+    model = tiny_llama()
+    ids = random_ids(1, 50)
+    cache = FullCache(model)
+    last = prefill(model, ids, cache, chunk=16)
+    assert cache.get_seq_length() == 50
+    with torch.no_grad():
+        expected = model(ids).logits[:, -1]
+    torch.testing.assert_close(last, expected, atol=1e-5, rtol=0)
+
+
+def test_timer_works_without_a_gpu():
+    into: list[float] = []
+    with timer(torch.device("cpu"), into):
+        pass
+    synchronize(torch.device("cpu"))
+    assert len(into) == 1 and into[0] >= 0
