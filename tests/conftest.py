@@ -27,3 +27,13 @@ def embedded():
     from hf_kvpolicies.models import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for tests on tiny models: they gain nothing from a second thread, and
+    on a shared machine OpenMP's spin-waiting makes two threads many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

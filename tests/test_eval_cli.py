@@ -7,15 +7,19 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import eval.sweep as sweep_module
 from eval.cli import main
 from eval.data import embedded_text, tokenize
 from eval.records import RESULTS, VOLATILE, read_records
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--tokens", "48", "--contexts", "16", "32", "--steps", "2", "--passkey-lengths", "260", "--passkey-depths", "0.1", "0.9", "--no-progress"]
 
@@ -39,7 +43,7 @@ def cli(*args: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def sweep(tiny, tmp_path_factory):
+def sweep(tiny, tmp_path_factory, one_thread):
     model, text = tiny
     out = tmp_path_factory.mktemp("sweep")
     args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16", *TINY, "--out", str(out)]
@@ -147,19 +151,14 @@ def test_a_missing_model_and_an_empty_report_exit_2(tmp_path, capsys):
     assert "no records" in capsys.readouterr().err
 
 
-def test_console_script_errors_without_traceback(tmp_path):
-    """The installed command, and an unreachable Hub dataset: one line naming --text-file."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    for args, message in (
-        (["eval", "--dataset", "wikitext2", "--out", str(tmp_path)], "--text-file"),
-        (["eval", "--tokens", "0"], "--tokens"),
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "eval.cli", *args], capture_output=True, text=True, env=env, timeout=120
-        )
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr and "Traceback" not in done.stderr
-        assert len([line for line in done.stderr.splitlines() if "error" in line]) == 1
+def test_console_script_names_text_file_when_the_hub_is_unreachable(tmp_path):
+    """The installed command, offline: status 2 and one line naming --text-file, no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [str(Path(sys.executable).parent / "hf-kvpolicies"), "eval", "--dataset", "wikitext2", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "wikitext2" in done.stderr and "--text-file PATH" in done.stderr
 
 
 def test_two_processes_write_the_records_of_one(tiny, tmp_path):
@@ -167,10 +166,8 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
     model, text = tiny
     args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16",
             "--policy", "window:window=8", *TINY, "--device", "cpu"]
+    assert cli(*args, "--out", str(tmp_path / "one")) == 0  # one thread here, as in the launched processes
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "eval.cli", *args, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29731"]
     two = subprocess.run([*launch, "-m", "eval.cli", *args, "--out", str(tmp_path / "two")],
@@ -190,3 +187,40 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
         return [line.split(" | ")[0] for line in (path / "summary.md").read_text().splitlines() if line.startswith("| ")]
 
     assert rows(tmp_path / "two") == rows(tmp_path / "one") == ["| policy", "| full", "| window:window=16", "| window:window=8"]
+
+
+def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
+    monkeypatch.setattr(sweep_module, "available_policies", lambda: ["full", "window"])
+    notes = []
+    assert sweep_module.default_policies(notes.append) == ["full", "window:window=256"]
+    assert len(notes) == 3 and all(note.startswith("note: skipping default policy") for note in notes)
+    assert set(sweep_module.default_policies(lambda note: None)) <= set(sweep_module.DEFAULT_POLICIES)
+
+
+def test_every_default_policy_is_registered_and_builds(tiny):
+    """The defaults of the README's command, against what the library registers today."""
+    assert sweep_module.default_policies(pytest.fail) == list(sweep_module.DEFAULT_POLICIES)
+    model = AutoModelForCausalLM.from_pretrained(tiny[0])
+    for spec in sweep_module.DEFAULT_POLICIES:
+        assert sweep_module._build(model, spec).get_seq_length() == 0
+
+
+def test_runs_are_dealt_round_robin_keeping_a_stream_together():
+    jobs = [sweep_module.Job(p, t, i) for i, p in enumerate("abc") for t in sweep_module.TASKS]
+    units = sweep_module._units(jobs)
+    assert [[(j.policy, j.task) for j in unit] for unit in units[:3]] == [
+        [("a", "perplexity"), ("a", "memory")], [("a", "speed")], [("a", "passkey")]
+    ]
+    first, second = units[0::2], units[1::2]
+    assert {j for unit in first + second for j in unit} == set(jobs)
+    assert len(first) == 5 and len(second) == 4
+
+
+def test_cuda_is_refused_cleanly_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(sweep_module.UsageError, match="--device cpu"):
+        sweep_module.resolve_device("cuda")
+    assert sweep_module.resolve_device("auto").type == "cpu"
+    assert sweep_module.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert sweep_module.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

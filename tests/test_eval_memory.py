@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import random_ids, tiny_llama
 from transformers import DynamicCache
@@ -9,6 +10,8 @@ from transformers import DynamicCache
 from eval.memory import MemoryTrace, PeakMemory, footprint
 from eval.perplexity import streaming_nll
 from hf_kvpolicies import FullCache, SlidingWindowCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def analytic_bytes(model, slots: int) -> int:
@@ -26,12 +29,22 @@ def test_footprint_along_the_stream_is_the_analytic_size():
         (FullCache(model), lambda n: 256 if n <= 256 else 512),  # 256 slots at first, doubled once full
         (SlidingWindowCache(model, window=16), lambda n: 17),  # the ring: window + 1 slots from the start
     ):
-        trace = MemoryTrace(cache, torch.device("cpu"), stride=50)
+        trace = MemoryTrace(cache, torch.device("cpu"))
         with trace:
-            streaming_nll(model, ids, cache, observer=trace.observe)
-        trace.finish(300)
-        assert trace.positions == [1, 51, 101, 151, 201, 251, 300]
+            streaming_nll(model, ids, cache, chunk_size=50, observer=trace.observe)
+        assert trace.positions == [50, 100, 150, 200, 250, 300]
         assert trace.bytes == [analytic_bytes(model, slots_at(n)) for n in trace.positions]
+
+
+def test_trace_samples_every_stride_tokens_and_the_end():
+    model = tiny_llama()
+    cache = SlidingWindowCache(model, window=8)
+    trace = MemoryTrace(cache, torch.device("cpu"), stride=20)
+    with trace:
+        streaming_nll(model, random_ids(1, 61), cache, observer=trace.observe)
+    trace.finish(60)
+    assert trace.positions == [1, 21, 41, 60]
+    assert trace.bytes == [analytic_bytes(model, 9)] * 4
 
 
 def test_footprint_of_a_transformers_cache_sums_its_tensors():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import random_ids, tiny_llama
 
 from eval.speed import decode_latency, prefill, speed_profile, synchronize, timer
 from hf_kvpolicies import FullCache, SlidingWindowCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_decode_latency_reports_prefill_median_p90_and_rate():
