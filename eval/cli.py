@@ -100,6 +100,7 @@ def build_parser() -> Parser:
     run.add_argument("--dtype", choices=("auto", *DTYPES), default=defaults.dtype, help="model dtype (default: %(default)s: float32 on CPU, bfloat16 on CUDA); e.g. --dtype float16")
     run.add_argument("--device-map", help="spread a large model over the GPUs with accelerate, e.g. --device-map auto")
     run.add_argument("--attn-implementation", help="attention kernel of the model (default: the model's, sdpa); e.g. --attn-implementation eager")
+    run.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's choice, one per core); on a busy shared machine 1 avoids OpenMP's spin-waiting, e.g. --threads 1")
     run.add_argument("--seed", type=int, default=defaults.seed, help="seed of the passkey prompts (default: %(default)s); e.g. --seed 1")
     run.add_argument("--out", type=Path, default=defaults.out, help="output folder (default: %(default)s); e.g. --out results-gpu")
     run.add_argument("--no-progress", action="store_true", help="no progress bars, for logs and CI; e.g. --no-progress")
@@ -146,6 +147,10 @@ def _eval(args: argparse.Namespace) -> int:
     tasks = list(dict.fromkeys(args.task)) if args.task else list(TASKS)
     if args.no_progress:
         _quiet_libraries()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     sweep = run_sweep(_settings(args), policies, tasks)
     if sweep.complete:
         print(sweep.table, end="")

@@ -1,17 +1,24 @@
 """Memory along a stream: the cache's own footprint, and the peak memory the process paid.
 
 Two figures, because they answer different questions: ``get_memory_footprint()`` is exact and
-deterministic (the bytes of every tensor the cache holds, capacity included), the peak device
-memory is what a run really needed (activations and allocator slack included). On CUDA the
-peak is ``max_memory_allocated`` above the allocation at the start; on the CPU it is the
-highest resident set size sampled after each forward, above the RSS at the start (the
-process-wide ``ru_maxrss`` would read zero for every policy that follows a larger one).
+deterministic (the bytes of every tensor the cache holds, capacity included); the peak is
+what decoding at the end of the stream really needs above the memory in use before the cache
+existed (the cache, dequantised copies, score buffers, a step's activations, allocator slack).
+On CUDA the peak is ``max_memory_allocated``; on the CPU it is the highest resident set size
+sampled after each forward, the baseline read after ``malloc_trim`` (the process-wide
+``ru_maxrss`` would read zero for every policy that follows a larger one, and memory a previous
+policy freed would otherwise be reused without showing as growth).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+from functools import lru_cache
+
 import psutil
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 
@@ -33,35 +40,64 @@ def _tensors(values) -> list[torch.Tensor]:
     return found
 
 
-class PeakMemory:
-    """Peak memory growth over a block: CUDA's allocator statistics, or sampled RSS on the CPU.
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use now: allocated on every visible GPU, or this process's resident set once the
+    heap has handed freed memory back (so that what an earlier run freed hides no growth)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return sum(torch.cuda.memory_allocated(gpu) for gpu in range(torch.cuda.device_count()))
+    _trim_heap()
+    return _rss()
 
-    On CUDA the figure sums each visible GPU's peak (a model spread with ``device_map="auto"``);
-    the statistics are this process's own, so the other processes of a launch do not add to them.
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return free heap pages to the OS (nothing elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+class PeakMemory:
+    """Peak memory over a block, above ``since`` (default: the memory in use as the block starts).
+
+    CUDA: ``max_memory_allocated`` summed over the visible GPUs (a model spread with
+    ``device_map="auto"``); the statistics are this process's own, so the other processes of
+    a launch do not add to them. CPU: the highest RSS seen by :meth:`sample` (call it after
+    each forward) or at the block's ends.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, since: int | None = None) -> None:
+        self.device = device
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.source = "cuda max_memory_allocated" if self.cuda else "sampled RSS"
         self._gpus = range(torch.cuda.device_count()) if self.cuda else range(0)
-        self._process = psutil.Process()
+        self._since = since
         self._start = 0
         self._peak = 0
 
     def __enter__(self) -> PeakMemory:
-        if self.cuda:
-            self._start = 0
-            for gpu in self._gpus:
-                torch.cuda.synchronize(gpu)
-                torch.cuda.reset_peak_memory_stats(gpu)
-                self._start += torch.cuda.memory_allocated(gpu)
-        else:
-            self._start = self._peak = self._process.memory_info().rss
+        for gpu in self._gpus:
+            torch.cuda.synchronize(gpu)
+            torch.cuda.reset_peak_memory_stats(gpu)
+        now = memory_in_use(self.device)
+        self._start = now if self._since is None else self._since
+        self._peak = now
         return self
 
     def sample(self) -> None:
         if not self.cuda:
-            self._peak = max(self._peak, self._process.memory_info().rss)
+            self._peak = max(self._peak, _rss())
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
@@ -73,32 +109,40 @@ class PeakMemory:
 
     @property
     def growth(self) -> int:
-        """Bytes above the start of the block at the peak."""
+        """Bytes above ``since`` at the peak."""
         return max(0, self._peak - self._start)
 
 
+@torch.no_grad()
+def decode_peak(model: PreTrainedModel, cache: Cache, token: torch.Tensor, steps: int, since: int) -> PeakMemory:
+    """Peak memory over ``steps`` greedy decode steps continuing ``cache`` from ``token``, above
+    ``since`` (the memory in use before the cache existed): the cache plus what a step needs.
+
+    Measured while decoding, one token per forward, so that every policy is measured alike
+    whatever its stream was fed with (a chunked forward's activations would dwarf the cache).
+    """
+    with PeakMemory(model.device, since=since) as peak:
+        token = token.to(model.device)
+        for _ in range(steps):
+            logits = model(token, cache=cache, use_cache=True).logits
+            peak.sample()
+            token = logits[:, -1:].argmax(-1)
+    return peak
+
+
 class MemoryTrace:
-    """Footprint of ``cache`` every ``stride`` tokens along a stream, and the peak memory.
+    """Footprint of ``cache`` every ``stride`` tokens along a stream.
 
     Pass :meth:`observe` as the stream's observer; it is called after each forward.
     """
 
-    def __init__(self, cache: Cache, device: torch.device, stride: int = 1) -> None:
+    def __init__(self, cache: Cache, stride: int = 1) -> None:
         self.cache = cache
         self.stride = stride
-        self.peak = PeakMemory(device)
         self.positions: list[int] = []
         self.bytes: list[int] = []
 
-    def __enter__(self) -> MemoryTrace:
-        self.peak.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.peak.__exit__(*exc)
-
     def observe(self, tokens: int) -> None:
-        self.peak.sample()
         if not self.positions or tokens - self.positions[-1] >= self.stride:
             self.positions.append(tokens)
             self.bytes.append(footprint(self.cache))

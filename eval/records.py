@@ -20,6 +20,8 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 RESULTS = "results.jsonl"
 IDENTITY = ("model", "gguf_file", "dataset", "device", "dtype", "policy", "task", "params")
 """The fields that make two records the same run; ``params`` holds the task's own settings."""
@@ -67,14 +69,19 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def environment() -> dict:
-    """Library versions and the git revision: what a figure was measured with."""
+    """Library versions, the git revision and the CPU threads: what a figure was measured with."""
     versions = {"python": platform.python_version()}
     for package in ("hf-kvpolicies", "torch", "transformers", "accelerate", "datasets"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    return {"versions": versions, "git_revision": git_revision(), "platform": platform.platform()}
+    return {
+        "versions": versions,
+        "git_revision": git_revision(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 @lru_cache(maxsize=1)

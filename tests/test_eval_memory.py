@@ -7,7 +7,7 @@ import torch
 from tiny_models import random_ids, tiny_llama
 from transformers import DynamicCache
 
-from eval.memory import MemoryTrace, PeakMemory, footprint
+from eval.memory import MemoryTrace, PeakMemory, decode_peak, footprint, memory_in_use
 from eval.perplexity import streaming_nll
 from hf_kvpolicies import FullCache, SlidingWindowCache
 
@@ -29,9 +29,8 @@ def test_footprint_along_the_stream_is_the_analytic_size():
         (FullCache(model), lambda n: 256 if n <= 256 else 512),  # 256 slots at first, doubled once full
         (SlidingWindowCache(model, window=16), lambda n: 17),  # the ring: window + 1 slots from the start
     ):
-        trace = MemoryTrace(cache, torch.device("cpu"))
-        with trace:
-            streaming_nll(model, ids, cache, chunk_size=50, observer=trace.observe)
+        trace = MemoryTrace(cache)
+        streaming_nll(model, ids, cache, chunk_size=50, observer=trace.observe)
         assert trace.positions == [50, 100, 150, 200, 250, 300]
         assert trace.bytes == [analytic_bytes(model, slots_at(n)) for n in trace.positions]
 
@@ -39,9 +38,8 @@ def test_footprint_along_the_stream_is_the_analytic_size():
 def test_trace_samples_every_stride_tokens_and_the_end():
     model = tiny_llama()
     cache = SlidingWindowCache(model, window=8)
-    trace = MemoryTrace(cache, torch.device("cpu"), stride=20)
-    with trace:
-        streaming_nll(model, random_ids(1, 61), cache, observer=trace.observe)
+    trace = MemoryTrace(cache, stride=20)
+    streaming_nll(model, random_ids(1, 61), cache, observer=trace.observe)
     trace.finish(60)
     assert trace.positions == [1, 21, 41, 60]
     assert trace.bytes == [analytic_bytes(model, 9)] * 4
@@ -67,3 +65,19 @@ def test_peak_memory_on_the_cpu_sees_a_large_allocation():
     with PeakMemory(torch.device("cpu")) as idle:
         pass
     assert idle.growth < 16 * 2**20
+    before = memory_in_use(torch.device("cpu"))
+    held = torch.ones(32 * 2**20)  # 128 MiB allocated before the block: counted from ``since``
+    with PeakMemory(torch.device("cpu"), since=before) as since:
+        pass
+    assert since.growth >= 100 * 2**20
+    del held
+
+
+def test_decode_peak_continues_the_stream_one_token_at_a_time():
+    model = tiny_llama()
+    cache = FullCache(model)
+    before = memory_in_use(torch.device("cpu"))
+    streaming_nll(model, random_ids(1, 40), cache, chunk_size=16)
+    peak = decode_peak(model, cache, random_ids(1, 1), steps=5, since=before)
+    assert cache.get_seq_length() == 39 + 5
+    assert peak.source == "sampled RSS" and peak.growth >= 0

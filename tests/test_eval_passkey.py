@@ -8,6 +8,8 @@ from tiny_models import char_tokenizer
 from eval.passkey import NEEDLE, QUESTION, is_correct, make_prompt, passkey_grid
 from hf_kvpolicies import from_spec
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
