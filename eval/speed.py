@@ -45,6 +45,26 @@ def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int 
 
 
 @torch.no_grad()
+def decode_step_times(
+    model: PreTrainedModel, caches: Sequence[Cache], token: torch.Tensor, steps: int, warmup: int = 2
+) -> list[list[float]]:
+    """ms of each of ``steps`` greedy decode steps (after ``warmup`` untimed ones) for every cache,
+    continuing from ``token``; the caches take turns step by step, so that the drift of a shared
+    machine falls on all of them alike and their ratios stay steady."""
+    device = model.device
+    tokens = [token.to(device)] * len(caches)
+    times: list[list[float]] = [[] for _ in caches]
+    for step in range(warmup + steps):
+        for index, cache in enumerate(caches):
+            sample: list[float] = []
+            with timer(device, sample):
+                logits = model(tokens[index], cache=cache, use_cache=True).logits
+            tokens[index] = logits[:, -1:].argmax(-1)
+            if step >= warmup:
+                times[index].append(sample[0] * 1000)
+    return times
+
+
 def decode_latency(
     model: PreTrainedModel,
     make_cache: Callable[[], Cache],
@@ -56,20 +76,10 @@ def decode_latency(
     """ms per decoded token once ``context`` tokens are in the cache: median and p90 over ``steps``,
     the tokens/s that the median gives, and the time of the (chunked) prefill of the context."""
     cache = make_cache()
-    device = model.device
     prefill_time: list[float] = []
-    with timer(device, prefill_time):
+    with timer(model.device, prefill_time):
         prefill(model, ids[:, :context], cache)
-    token = ids[:, context : context + 1].to(device)
-    times: list[float] = []
-    for step in range(warmup + steps):
-        sample: list[float] = []
-        with timer(device, sample):
-            logits = model(token, cache=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        if step >= warmup:
-            times.append(sample[0] * 1000)
-    times.sort()
+    times = sorted(decode_step_times(model, [cache], ids[:, context : context + 1], steps, warmup)[0])
     median = statistics.median(times)
     return {
         "median_ms": median,

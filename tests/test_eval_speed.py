@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import random_ids, tiny_llama
+from transformers import DynamicCache
 
-from eval.speed import decode_latency, prefill, speed_profile, synchronize, timer
+from eval.speed import decode_latency, decode_step_times, prefill, speed_profile, synchronize, timer
 from hf_kvpolicies import FullCache, SlidingWindowCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,6 +20,25 @@ def test_decode_latency_reports_prefill_median_p90_and_rate():
     assert 0 < timing["median_ms"] <= timing["p90_ms"]
     assert timing["tokens_per_s"] == 1000 / timing["median_ms"]
     assert timing["prefill_ms"] > 0
+
+
+def test_side_by_side_steps_advance_every_cache_and_decode_greedily():
+    model = tiny_llama()
+    ids = random_ids(1, 33)
+    caches = [DynamicCache(config=model.config), SlidingWindowCache(model, window=8)]
+    for cache in caches:
+        prefill(model, ids[:, :32], cache)
+    times = decode_step_times(model, caches, ids[:, 32:], steps=4, warmup=1)
+    assert [len(series) for series in times] == [4, 4] and all(t > 0 for series in times for t in series)
+    assert [cache.get_seq_length() for cache in caches] == [37, 37]
+    # each cache followed its own greedy continuation: the same keys as decoding it alone
+    alone = DynamicCache(config=model.config)
+    prefill(model, ids[:, :32], alone)
+    token = ids[:, 32:]
+    with torch.no_grad():
+        for _ in range(5):
+            token = model(token, cache=alone, use_cache=True).logits[:, -1:].argmax(-1)
+    torch.testing.assert_close(caches[0].layers[0].keys, alone.layers[0].keys, atol=0, rtol=0)
 
 
 def test_speed_profile_lists_every_context_in_order():

@@ -202,7 +202,7 @@ def main() -> None:
     print(decoder_table(config.num_key_value_heads, head_dim), "\n")
     if args.residual_sweep:
         print(residual_sweep(model, tokenize(tokenizer, embedded_text(), 1400), args.residual_sweep), "\n")
-    results = run(contenders(), args.ppl_tokens, args.contexts, steps=args.steps, model_name=args.model)
+    results = run(contenders(), args.ppl_tokens, args.contexts, steps=args.steps, model_name=args.model, rounds=args.rounds)
     longest = max(args.contexts, default=4096)
     lines, ratio = memory_lines(model, longest)
     print("\n" + "\n".join(lines))

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256, help="tokens kept by every bounded cache (sinks included)")
     args = parser.parse_args()
     contexts = sorted(args.contexts)
-    results = run(contenders(args.budget), args.ppl_tokens, contexts, steps=args.steps, model_name=args.model)
+    results = run(contenders(args.budget), args.ppl_tokens, contexts, steps=args.steps, model_name=args.model, rounds=args.rounds)
     print("\n" + "\n".join(targets(results, contexts, args.ppl_tokens)))
 
 

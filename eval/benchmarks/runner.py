@@ -2,13 +2,16 @@
 
 A benchmark module names its contenders (label -> cache factory) and calls :func:`run`.
 Runs time on a shared machine drift, so every figure of one table is measured in one process,
-and ratios are taken against the first contender.
+decode steps are timed with the contenders taking turns step by step (their caches prefilled
+side by side), in ``--rounds`` rounds whose medians' median is the figure, so that neither
+drift nor one disturbed round decides a ratio; ratios are taken against the first contender.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ from transformers.cache_utils import Cache
 from ..data import embedded_text, embedded_text_version, tokenize
 from ..memory import footprint
 from ..perplexity import perplexity, streaming_nll
-from ..speed import decode_latency, prefill
+from ..speed import decode_step_times, prefill
 
 CacheFactory = Callable[[PreTrainedModel], Cache]
 
@@ -38,6 +41,7 @@ def arguments(description: str, ppl_tokens: int = 2000, contexts: Sequence[int] 
     parser.add_argument("--ppl-tokens", type=int, default=ppl_tokens, help="tokens of streaming perplexity (0: skip)")
     parser.add_argument("--contexts", type=int, nargs="*", default=list(contexts), help="decode-latency context lengths")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median of their medians)")
     parser.add_argument("--model", default="smollm2-135m")
     return parser
 
@@ -49,30 +53,42 @@ def run(
     steps: int = 16,
     model_name: str = "smollm2-135m",
     progress: bool = True,
+    rounds: int = 3,
 ) -> list[Contender]:
-    """Measure decode ms/token and footprint at each context, and streaming perplexity."""
+    """Measure decode ms/token (contenders side by side, median over ``rounds``) and the
+    footprint at each context, and streaming perplexity."""
     from hf_kvpolicies.models import load_model
 
     model, tokenizer = load_model(model_name)
     needed = max([ppl_tokens, *[c + steps + 4 for c in contexts]])
     ids = tokenize(tokenizer, embedded_text(), needed)
+    medians: dict[tuple[str, int], list[float]] = {}
+    sizes: dict[tuple[str, int], int] = {}
+    for _ in range(rounds):
+        for context in contexts:
+            caches = [contender.make(model) for contender in contenders]
+            for contender, cache in zip(contenders, caches):
+                prefill(model, ids[:, :context], cache)
+                sizes[contender.label, context] = footprint(cache)
+            times = decode_step_times(model, caches, ids[:, context : context + 1], steps)
+            for contender, series in zip(contenders, times):
+                medians.setdefault((contender.label, context), []).append(statistics.median(series))
+            del caches
     for context in contexts:
         for contender in contenders:
-            timing = decode_latency(model, lambda: contender.make(model), ids, context, steps=steps)
-            contender.figures[f"ms/token @{context}"] = timing["median_ms"]
-            cache = contender.make(model)
-            prefill(model, ids[:, :context], cache)
-            contender.figures[f"MiB @{context}"] = footprint(cache) / 2**20
+            contender.figures[f"ms/token @{context}"] = statistics.median(medians[contender.label, context])
+            contender.figures[f"MiB @{context}"] = sizes[contender.label, context] / 2**20
     if ppl_tokens:
         for contender in contenders:
             nll = streaming_nll(model, ids[:, :ppl_tokens], contender.make(model), progress=progress, desc=contender.label)
             contender.figures[f"ppl ({ppl_tokens} tok)"] = perplexity(nll)
             contender.figures["ppl after 1K"] = perplexity(nll[1000:]) if ppl_tokens > 1100 else float("nan")
     print(table(contenders))
+    timed = f", {rounds} rounds x {steps} decode steps" if contexts else ""
     print(
         f"\nmodel {model_name}, text {embedded_text_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; ratios vs {contenders[0].label}",
+        f"{torch.get_num_threads()} threads{timed}; ratios vs {contenders[0].label}",
         file=sys.stdout,
     )
     return contenders

@@ -116,12 +116,12 @@ def main() -> None:
     speed, quality = [], []
     if contexts:
         warm_up(args.model, contexts[0])
-        speed = run(speed_contenders(budget), 0, contexts, steps=args.steps, model_name=args.model)
+        speed = run(speed_contenders(budget), 0, contexts, steps=args.steps, model_name=args.model, rounds=args.rounds)
     if args.ppl_tokens:
         # perplexity is not timed: one thread keeps it from stalling when other processes share
         # the cores (oversubscribed intra-op threads made it several times slower)
         torch.set_num_threads(1)
-        quality = run(ppl_contenders(args.ppl_window), args.ppl_tokens, [], steps=args.steps, model_name=args.model)
+        quality = run(ppl_contenders(args.ppl_window), args.ppl_tokens, [], steps=args.steps, model_name=args.model, rounds=args.rounds)
     print("\n" + "\n".join(targets(speed, quality, contexts, budget)))
 
 
