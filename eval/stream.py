@@ -24,8 +24,7 @@ from transformers.cache_utils import Cache
 
 from hf_kvpolicies.cache import PolicyCache
 from hf_kvpolicies.masks import MASK_FORMATS, to_attention_format
-from hf_kvpolicies.retention import FullRetention, Retention, RingRetention
-from hf_kvpolicies.retention.sink import SinkRetention
+from hf_kvpolicies.retention import Retention
 
 DEFAULT_CHUNK = 256
 """Tokens per forward where chunking is exact and no ``--chunk-size`` is given."""
@@ -37,13 +36,7 @@ def chunks_are_exact(cache: Cache, model: PreTrainedModel) -> bool:
         return False
     if model.config._attn_implementation not in MASK_FORMATS:
         return False  # the mask must reach attention as a 4-D tensor
-    return all(_keeps_by_position(layer.retention) for layer in cache.layers)
-
-
-def _keeps_by_position(retention: Retention) -> bool:
-    if type(retention) in (FullRetention, RingRetention):
-        return True
-    return type(retention) is SinkRetention and retention.rotary is None
+    return all(layer.retention.keeps_by_position for layer in cache.layers)
 
 
 def resolve_chunk(cache: Cache, model: PreTrainedModel, requested: int | None) -> tuple[int, bool]:
@@ -98,7 +91,12 @@ def feed(
     ``every_logit`` is False, which spares the vocabulary projection of every other position.
     """
     ids = ids.to(model.device)
-    masked = chunk > 1 and chunks_are_exact(cache, model)
+    # slots in position order (a full cache): transformers' own causal mask is already exact
+    masked = (
+        chunk > 1
+        and chunks_are_exact(cache, model)
+        and not all(layer.retention.in_position_order for layer in cache.layers)
+    )
     keep = 0 if every_logit else 1
     for start in range(0, ids.shape[1], chunk):
         end = min(start + chunk, ids.shape[1])

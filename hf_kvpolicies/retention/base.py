@@ -33,6 +33,9 @@ class Retention(ABC):
     is_croppable = False
     in_position_order = False
     """True when slot ``j`` always holds position ``j``: transformers' own masks are then exact."""
+    keeps_by_position = False
+    """True when what is kept of the past depends on positions alone and keys are kept as they
+    arrived: a banded mask per chunk (``eval.stream``) then reproduces token-by-token streaming."""
 
     def __init__(self) -> None:
         self.seen = 0

@@ -16,6 +16,7 @@ class FullRetention(Retention):
 
     is_croppable = True
     in_position_order = True
+    keeps_by_position = True
 
     def capacity(self, first_chunk: int) -> int:
         return max(MIN_CAPACITY, first_chunk)

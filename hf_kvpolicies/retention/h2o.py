@@ -180,8 +180,7 @@ class H2ORetention(Retention):
 
     def _evict_one(self) -> None:
         """Free the lowest-scoring slot outside the recent window (all slots are live here)."""
-        protected = self.positions > self.seen - 1 - self.recent
-        self.free = self.scores.masked_fill(protected, float("inf")).argmin(dim=-1, keepdim=True)
+        self.free = self._evictable(self.positions, self.scores).argmin(dim=-1, keepdim=True)
         self.has_free = True
 
     def _kept_index(self) -> torch.Tensor | None:
@@ -220,6 +219,9 @@ class H2ORetention(Retention):
 
     def _keep(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Indices (ascending) of the recent window plus the ``heavy`` best-scoring other tokens."""
-        protected = positions > self.seen - 1 - self.recent
-        best = scores.masked_fill(protected, float("inf")).topk(self.budget, dim=-1).indices
+        best = self._evictable(positions, scores).topk(self.budget, dim=-1).indices
         return best.sort(dim=-1).values
+
+    def _evictable(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with the recent window (the ``recent`` newest positions) set to +inf: never evicted."""
+        return scores.masked_fill(positions > self.seen - 1 - self.recent, float("inf"))

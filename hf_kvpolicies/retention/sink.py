@@ -45,6 +45,11 @@ class SinkRetention(RingRetention):
         self._offset: int | torch.Tensor = 0  # rotation the stored sinks carry
 
     @property
+    def keeps_by_position(self) -> bool:
+        """Re-rotated sinks are not kept as they arrived."""
+        return self.rotary is None
+
+    @property
     def _tracking(self) -> bool:
         return self.sinks > 0 and (self.rotary is not None or self._padded)
 

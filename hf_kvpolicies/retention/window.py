@@ -18,6 +18,8 @@ from .base import Retention
 class RingRetention(Retention):
     """Keeps the first ``sinks`` tokens and the last ``window``; O(1) work per decoded token."""
 
+    keeps_by_position = True
+
     def __init__(self, window: int, sinks: int = 0, banded: bool = False) -> None:
         """``banded``: queries also see only the ``window`` tokens before them inside a
         multi-token forward (the semantics of a model's own sliding-window layers)."""
