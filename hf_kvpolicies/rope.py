@@ -60,7 +60,7 @@ class Rotary:
         angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
         dim = self.rotary_dim
         basis = torch.eye(dim, dtype=torch.float64)  # row j becomes the image of basis vector j
-        block = basis * angles.cos() + self._rotate_half(basis) * angles.sin()
+        block = basis * angles.cos() + rotate_half(basis, self.interleaved) * angles.sin()
         matrix = torch.eye(head_dim, dtype=torch.float64).repeat(*block.shape[:-2], 1, 1)
         matrix[..., :dim, :dim] = block
         if per_row:
@@ -77,11 +77,14 @@ class Rotary:
             keys = keys.to(work)
         return keys @ self.matrix(offset, keys.shape[-1], work, keys.device)
 
-    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-        half = x.shape[-1] // 2
-        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE's ``rotate_half`` in either layout: halves (Llama) or interleaved pairs (GLM, Cohere)."""
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def rotary_of(model: nn.Module, layer_type: str = "full_attention") -> Rotary:
@@ -136,16 +139,13 @@ def _rotary_module(model: nn.Module) -> nn.Module | None:
 
 def _interleaved(module: nn.Module, name: str, fix: str) -> bool:
     """Probe the modeling file's ``rotate_half``: halves (Llama) or interleaved pairs (GLM, Cohere)."""
-    rotate_half = getattr(sys.modules.get(type(module).__module__), "rotate_half", None)
+    models_rotate_half = getattr(sys.modules.get(type(module).__module__), "rotate_half", None)
     probe = torch.arange(1.0, 9.0)
-    halves = torch.cat([-probe[4:], probe[:4]])
-    pairs = torch.stack([-probe[1::2], probe[::2]], dim=-1).flatten()
-    if callable(rotate_half):
-        out = rotate_half(probe)
-        if torch.equal(out, halves):
-            return False
-        if torch.equal(out, pairs):
-            return True
+    if callable(models_rotate_half):
+        out = models_rotate_half(probe)
+        for interleaved in (False, True):
+            if torch.equal(out, rotate_half(probe, interleaved)):
+                return interleaved
     raise ValueError(
         f"{name} applies RoPE in a layout hf-kvpolicies does not recognise (no standard rotate_half); {fix}"
     )
