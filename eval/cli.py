@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from .data import DATASETS, EMBEDDED_TEXT, DataError, check_dataset
@@ -116,25 +117,10 @@ def build_parser() -> Parser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return Settings(
-        model=args.model,
-        gguf_file=args.gguf_file,
-        dataset=args.dataset,
-        text_file=args.text_file,
-        tokens=args.tokens,
-        chunk_size=args.chunk_size,
-        contexts=tuple(args.contexts),
-        steps=args.steps,
-        passkey_lengths=tuple(args.passkey_lengths),
-        passkey_depths=tuple(args.passkey_depths),
-        device=args.device,
-        dtype=args.dtype,
-        device_map=args.device_map,
-        attn_implementation=args.attn_implementation,
-        seed=args.seed,
-        out=args.out,
-        progress=not args.no_progress,
-    )
+    """The sweep's settings from the options of the same names (lists become tuples)."""
+    named = {field.name: getattr(args, field.name) for field in fields(Settings) if field.name != "progress"}
+    values = {name: tuple(value) if isinstance(value, list) else value for name, value in named.items()}
+    return Settings(**values, progress=not args.no_progress)
 
 
 def _eval(args: argparse.Namespace) -> int:
