@@ -17,6 +17,23 @@ def prefill_then_decode(model: PreTrainedModel, ids: torch.Tensor, cache: Cache,
 
 
 @torch.no_grad()
+def stream_long(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> int:
+    """Feed all of ``ids`` (10,000 tokens or more): chunks up to 2,000, 40 single-token steps that
+    must write into the same key buffer of layer 0 (in place, no new tensor), then chunks to the
+    end. Returns the footprint at token 2,000, for comparing with the one at the end."""
+    for start in range(0, 2000, 500):
+        model(ids[:, start : start + 500], cache=cache)
+    at_2000 = cache.get_memory_footprint()
+    buffer = cache.layers[0].storage.keys
+    for t in range(2000, 2040):
+        model(ids[:, t : t + 1], cache=cache)
+    assert cache.layers[0].storage.keys is buffer  # decode steps wrote into the ring, no new tensor
+    for start in range(2040, ids.shape[1], 995):
+        model(ids[:, start : start + 995], cache=cache)
+    return at_2000
+
+
+@torch.no_grad()
 def greedy(model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None, new_tokens: int, **kwargs) -> torch.Tensor:
     extra = {} if cache is None else {"cache": cache}
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **extra, **kwargs)

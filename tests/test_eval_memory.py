@@ -80,4 +80,4 @@ def test_decode_peak_continues_the_stream_one_token_at_a_time():
     streaming_nll(model, random_ids(1, 40), cache, chunk_size=16)
     peak = decode_peak(model, cache, random_ids(1, 1), steps=5, since=before)
     assert cache.get_seq_length() == 39 + 5
-    assert peak.source == "sampled RSS" and peak.growth >= 0
+    assert peak.source == "sampled RSS"

@@ -197,7 +197,7 @@ def test_each_slot_holds_its_last_write_natively_or_quantised(residual):
 
 
 def test_residual_keeps_the_most_recent_writes_natively():
-    storage, native = FP8Storage(residual=8), NativeStorage()
+    storage = FP8Storage(residual=8)
     tokens = torch.randn(1, 2, 50, 16)
     storage.allocate(tokens, 64)
     for t in range(50):  # appends, as a full cache decodes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generated_logits, left_padded, prefill_then_decode, streaming_reference
+from helpers import generated_logits, left_padded, prefill_then_decode, stream_long, streaming_reference
 from tiny_models import random_ids, tiny_gemma3, tiny_llama, tiny_qwen3
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.models.llama.modeling_llama import rotate_half
@@ -189,16 +189,7 @@ def test_memory_is_constant_and_decoding_writes_in_place(positions):
     model = tiny_llama()
     ids = random_ids(1, 10_000, seed=5)
     cache = SinkCache(model, sink_tokens=4, window=60, positions=positions)
-    with torch.no_grad():
-        for start in range(0, 2000, 500):
-            model(ids[:, start : start + 500], cache=cache)
-        at_2000 = cache.get_memory_footprint()
-        buffer = cache.layers[0].storage.keys
-        for t in range(2000, 2040):
-            model(ids[:, t : t + 1], cache=cache)
-        assert cache.layers[0].storage.keys is buffer
-        for start in range(2040, 10_000, 995):
-            model(ids[:, start : start + 995], cache=cache)
+    at_2000 = stream_long(model, cache, ids)
     assert cache.get_seq_length() == 10_000 and cache.stored_tokens() == 64
     assert cache.get_memory_footprint() == at_2000
     sink_copies = 2 * 4 * model.config.num_key_value_heads * 16 * 4  # keys + values, 4 sinks, fp32

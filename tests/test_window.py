@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generated_logits, left_padded, prefill_then_decode, streaming_reference
+from helpers import generated_logits, left_padded, prefill_then_decode, stream_long, streaming_reference
 from tiny_models import random_ids, tiny_gemma3, tiny_llama, tiny_mistral
 
 from hf_kvpolicies import FullCache, SlidingWindowCache, from_spec
@@ -88,16 +88,7 @@ def test_memory_is_constant_and_decoding_writes_in_place():
     model = tiny_llama()
     ids = random_ids(1, 10_000, seed=5)
     cache = SlidingWindowCache(model, window=64)
-    with torch.no_grad():
-        for start in range(0, 2000, 500):
-            model(ids[:, start : start + 500], cache=cache)
-        at_2000 = cache.get_memory_footprint()
-        buffer = cache.layers[0].storage.keys
-        for t in range(2000, 2040):
-            model(ids[:, t : t + 1], cache=cache)
-        assert cache.layers[0].storage.keys is buffer  # decode steps wrote into the ring, no new tensor
-        for start in range(2040, 10_000, 995):
-            model(ids[:, start : start + 995], cache=cache)
+    at_2000 = stream_long(model, cache, ids)
     assert cache.get_seq_length() == 10_000 and cache.stored_tokens() == 64
     assert cache.get_memory_footprint() == at_2000
     assert cache.layers[0].storage.capacity == 65

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel, QuantizedCache
 from transformers.cache_utils import Cache
 
-from hf_kvpolicies import FP8Cache, FullCache
+from hf_kvpolicies import FP8Cache, FullCache, SinkCache
 from hf_kvpolicies.storage.fp8 import DEFAULT_RESIDUAL, float8_format
 
 from ..memory import footprint
@@ -38,18 +38,12 @@ SPEED_VS_FULL = 1.5  # decode at 2K tokens, on the CPU
 SPEED_CONTEXT = 2048
 
 
-def sink_cache(model: PreTrainedModel, storage: str) -> Cache:
-    from hf_kvpolicies import SinkCache  # written alongside; imported only when the benchmark runs
-
-    return SinkCache(model, storage=storage)  # 4 sinks + a 1020-token window
-
-
 def contenders() -> list[Contender]:
     return [
         Contender("full", FullCache),
         Contender("fp8", FP8Cache),
-        Contender("sink 4+1020", lambda m: sink_cache(m, "native")),
-        Contender("sink 4+1020 fp8", lambda m: sink_cache(m, "fp8")),
+        Contender("sink 4+1020", lambda m: SinkCache(m, storage="native")),  # 4 sinks + a 1020-token window
+        Contender("sink 4+1020 fp8", lambda m: SinkCache(m, storage="fp8")),
         Contender("transformers fp8", lambda m: QuantizedCache("fp8", m.config)),
     ]
 

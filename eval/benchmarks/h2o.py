@@ -12,10 +12,7 @@ checked on the figures it rests on.
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
-
-from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache
+from hf_kvpolicies import FullCache, H2OCache, SinkCache, SlidingWindowCache
 
 from .runner import Contender, arguments, run
 
@@ -24,18 +21,12 @@ SPEED_RATIO = 1.3  # H2O decode vs the sliding window at the same budget
 FLAT_RATIO = 1.05  # H2O decode at the longest vs the shortest context
 
 
-def sink_cache(model: PreTrainedModel, budget: int) -> Cache:
-    from hf_kvpolicies import SinkCache  # written alongside; imported only when the benchmark runs
-
-    return SinkCache(model, sink_tokens=SINKS, window=budget - SINKS)
-
-
 def contenders(budget: int) -> list[Contender]:
     heavy = budget // 2
     return [
         Contender(f"window {budget}", lambda m: SlidingWindowCache(m, window=budget)),
         Contender("full", FullCache),
-        Contender(f"sink {SINKS}+{budget - SINKS}", lambda m: sink_cache(m, budget)),
+        Contender(f"sink {SINKS}+{budget - SINKS}", lambda m: SinkCache(m, sink_tokens=SINKS, window=budget - SINKS)),
         Contender(f"h2o {heavy}+{budget - heavy}", lambda m: H2OCache(m, heavy=heavy, recent=budget - heavy)),
     ]
 

@@ -21,10 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from hf_kvpolicies import FullCache, SinkCache, SlidingWindowCache
-from hf_kvpolicies.models import load_model
 
-from ..data import embedded_text, tokenize
-from ..speed import decode_latency
 from .runner import Contender, arguments, run
 
 SINKS = 4
@@ -95,14 +92,6 @@ def targets(speed: list[Contender], quality: list[Contender], contexts: list[int
     return lines
 
 
-def warm_up(model_name: str, context: int) -> None:
-    """One untimed prefill and decode: the first shapes cost extra (kernel selection, allocator
-    growth), which would otherwise be charged to the first contender."""
-    model, tokenizer = load_model(model_name)
-    ids = tokenize(tokenizer, embedded_text(), context + 4)
-    decode_latency(model, lambda: DynamicCache(config=model.config), ids, context, steps=1, warmup=1)
-
-
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument(
@@ -115,7 +104,6 @@ def main() -> None:
     budget = args.budget or (contexts[0] if contexts else 1024)
     speed, quality = [], []
     if contexts:
-        warm_up(args.model, contexts[0])
         speed = run(speed_contenders(budget), 0, contexts, steps=args.steps, model_name=args.model, rounds=args.rounds)
     if args.ppl_tokens:
         # perplexity is not timed: one thread keeps it from stalling when other processes share
