@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from hf_kvpolicies.cache import PolicyCache
-from hf_kvpolicies.masks import MASK_FORMATS, to_attention_format
+from hf_kvpolicies.masks import MASK_FORMATS, masks_by_layer_type
 from hf_kvpolicies.retention import Retention
 
 DEFAULT_CHUNK = 256
@@ -69,14 +69,12 @@ def streamed_keys(retention: Retention, query_length: int) -> torch.Tensor:
 def streaming_masks(cache: PolicyCache, query_length: int, model: PreTrainedModel):
     """The ``attention_mask`` for the next forward of ``query_length`` tokens: one tensor, or
     ``{layer_type: mask}`` for models that mix sliding and full attention layers."""
-    implementation = model.config._attn_implementation
-    masks: dict[str, torch.Tensor] = {}
-    for layer in cache.layers:
-        layer_type = "sliding_attention" if layer.is_sliding else "full_attention"
-        if layer_type not in masks:
-            allowed = streamed_keys(layer.retention, query_length)[None, None].to(model.device)
-            masks[layer_type] = to_attention_format(allowed, implementation, model.dtype)
-    return masks if len(masks) > 1 else next(iter(masks.values()))
+    return masks_by_layer_type(
+        cache,
+        lambda retention: streamed_keys(retention, query_length)[None, None].to(model.device),
+        model.config._attn_implementation,
+        model.dtype,
+    )
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ holds. For any other cache the hook returns at once and changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,12 +77,18 @@ def exact_masks(cache, padding: torch.Tensor, query_length: int, config, dtype: 
             f"a padded batch with {type(cache).__name__} needs attention_implementation 'sdpa' or 'eager' "
             f"(the model uses {implementation!r}): call model.set_attn_implementation('sdpa'), or run rows one at a time"
         )
+    return masks_by_layer_type(cache, lambda retention: allowed_keys(retention, padding, query_length), implementation, dtype)
+
+
+def masks_by_layer_type(cache, allowed: Callable[[Any], torch.Tensor], implementation: str, dtype: torch.dtype):
+    """``allowed(retention)`` (bool, 4-D) of the first layer of each layer type, in the format of
+    ``implementation``: one mask, or ``{layer_type: mask}`` for models that mix sliding and full
+    attention layers (the layers of one type keep alike, so one mask serves them all)."""
     masks: dict[str, torch.Tensor] = {}
     for layer in cache.layers:
         layer_type = "sliding_attention" if layer.is_sliding else "full_attention"
         if layer_type not in masks:
-            allowed = allowed_keys(layer.retention, padding, query_length)
-            masks[layer_type] = to_attention_format(allowed, implementation, dtype)
+            masks[layer_type] = to_attention_format(allowed(layer.retention), implementation, dtype)
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
