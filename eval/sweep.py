@@ -250,7 +250,7 @@ def _measure(settings, model, tokenizer, ids, spec, jobs):
             positions, values = curve(nll)
             yield "perplexity", {**common, "ppl": perplexity(nll), "curve_positions": positions, "curve_ppl": values}
         if "memory" in jobs:
-            kept = cache.stored_tokens(_first_full_layer(cache)) if isinstance(cache, PolicyCache) else None
+            kept = cache.stored_tokens(cache.first_policy_layer) if isinstance(cache, PolicyCache) else None
             record = {
                 **common,
                 "footprint_bytes": trace.bytes[-1],
@@ -283,10 +283,6 @@ def _warm_up(model, ids: torch.Tensor) -> None:
     cache = DynamicCache(config=model.config)
     model(ids[:, :length].to(model.device), cache=cache)
     model(ids[:, length : length + 1].to(model.device), cache=cache)
-
-
-def _first_full_layer(cache: PolicyCache) -> int:
-    return next((i for i, layer in enumerate(cache.layers) if not layer.is_sliding), 0)
 
 
 def _headline(record: dict) -> str:

@@ -132,5 +132,11 @@ class PolicyCache(Cache):
         """Tokens currently kept by a layer (``get_seq_length`` counts every token seen)."""
         return self.layers[layer_idx].retention.stored
 
+    @property
+    def first_policy_layer(self) -> int:
+        """Index of the first layer the policy governs: the model's own sliding-window layers
+        (Gemma 3) keep the model's window whatever the policy; 0 when every layer is sliding."""
+        return next((i for i, layer in enumerate(self.layers) if not layer.is_sliding), 0)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={len(self.layers)}, storage={self.storage!r})"

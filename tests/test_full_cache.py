@@ -99,3 +99,9 @@ def test_crop_rolls_back_like_dynamic_cache():
     torch.testing.assert_close(again, model(ids).logits[:, 15:], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="negative"):
         cache.crop(3)
+
+
+def test_first_policy_layer_skips_the_models_own_sliding_layers():
+    assert FullCache(tiny_llama()).first_policy_layer == 0
+    assert FullCache(tiny_gemma3()).first_policy_layer == 2  # layers 0 and 1 slide with the model window
+    assert FullCache(tiny_gemma3(layer_types=["sliding_attention"] * 3)).first_policy_layer == 0

@@ -93,10 +93,6 @@ class CopyingStorage(NativeStorage):
         return keys.clone(), values.clone()
 
 
-def first_full_layer(cache) -> int:
-    return next(i for i, layer in enumerate(cache.layers) if not layer.is_sliding)
-
-
 @pytest.mark.parametrize("positions", MODES)
 def test_budget_covering_the_sequence_matches_full_cache(tiny_model, positions):
     ids = random_ids(1, 30)
@@ -112,7 +108,7 @@ def test_absolute_positions_match_the_band_with_sink_columns(tiny_model):
     torch.testing.assert_close(got, streaming_reference(tiny_model, ids, window=5, sinks=3), atol=ATOL, rtol=0)
     without_sinks = streaming_reference(tiny_model, ids, window=5)
     assert (got[:, 9:] - without_sinks[:, 9:]).abs().max() > 1e-2  # the sinks are attended to
-    assert cache.stored_tokens(first_full_layer(cache)) == 8 and cache.get_seq_length() == 40
+    assert cache.stored_tokens(cache.first_policy_layer) == 8 and cache.get_seq_length() == 40
 
 
 @pytest.mark.parametrize("prefill", [1, 20])

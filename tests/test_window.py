@@ -29,7 +29,7 @@ def test_token_by_token_matches_a_banded_causal_mask(tiny_model):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     full = streaming_reference(tiny_model, ids, window=40)
     assert (got[:, 6:] - full[:, 6:]).abs().max() > 1e-2  # the window binds: the test can fail
-    assert cache.stored_tokens(next(i for i, l in enumerate(cache.layers) if not l.is_sliding)) == 5
+    assert cache.stored_tokens(cache.first_policy_layer) == 5
     assert cache.get_seq_length() == 40
 
 
