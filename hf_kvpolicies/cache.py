@@ -114,11 +114,27 @@ class PolicyCache(Cache):
             for layout in self.layouts
         ]
         super().__init__(layers=layers)
+        self.governed = [not layout.is_sliding for layout in self.layouts]
+        """Per layer: True where the policy's retention governs it (not the model's own window kept as is)."""
         self.storage = storage
         from .masks import attach_mask_hook  # the hook module imports this one
 
         attach_mask_hook(model)
         self.attn_implementation = model.config._attn_implementation
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int] | None:
+        """The constructor keywords that spend a total of ``budget`` kept tokens per layer.
+
+        ``None`` for policies that keep every token (full, FP8): a budget does not apply to them.
+        Budget sweeps (``hf-kvpolicies eval --budgets``) build each bounded policy this way.
+        """
+        return None
+
+    @property
+    def governed_layers(self) -> int:
+        """How many layers the policy governs; a run where it governs none measures nothing."""
+        return sum(self.governed)
 
     def get_memory_footprint(self) -> int:
         """Bytes of every persistent tensor this cache holds, pre-allocated capacity included.

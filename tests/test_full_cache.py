@@ -105,3 +105,8 @@ def test_first_policy_layer_skips_the_models_own_sliding_layers():
     assert FullCache(tiny_llama()).first_policy_layer == 0
     assert FullCache(tiny_gemma3()).first_policy_layer == 2  # layers 0 and 1 slide with the model window
     assert FullCache(tiny_gemma3(layer_types=["sliding_attention"] * 3)).first_policy_layer == 0
+
+
+def test_governed_layers_counts_the_layers_the_policy_decides():
+    assert FullCache(tiny_llama()).governed_layers == len(tiny_llama().model.layers)
+    assert FullCache(tiny_gemma3()).governed_layers == 1  # layers 0 and 1 slide with the model window

@@ -74,3 +74,13 @@ def test_errors_name_the_problem_and_the_choices(spec, message):
 def test_public_names():
     for name in ("FullCache", "SlidingWindowCache", "from_spec", "register_policy", "available_policies"):
         assert hasattr(hf_kvpolicies, name)
+
+
+def test_budget_parameters_spend_the_budget_and_full_policies_take_none():
+    from hf_kvpolicies import FP8Cache, FullCache, H2OCache, SinkCache, SlidingWindowCache
+
+    assert FullCache.budget_parameters(256) is None and FP8Cache.budget_parameters(256) is None
+    assert SlidingWindowCache.budget_parameters(256) == {"window": 256}
+    assert SinkCache.budget_parameters(256) == {"sink_tokens": 4, "window": 252}
+    assert SinkCache.budget_parameters(3) == {"sink_tokens": 1, "window": 2}
+    assert H2OCache.budget_parameters(257) == {"heavy": 128, "recent": 129}

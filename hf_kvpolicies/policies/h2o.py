@@ -44,3 +44,8 @@ class H2OCache(PolicyCache):
         attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
         self.heavy, self.recent = heavy, recent
         super().__init__(model, lambda layout: H2ORetention(heavy, recent), storage=storage)
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """Half heavy hitters, half recent tokens (the paper's even split)."""
+        return {"heavy": budget // 2, "recent": budget - budget // 2}

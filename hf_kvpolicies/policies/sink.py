@@ -66,3 +66,9 @@ class SinkCache(PolicyCache):
             return SinkRetention(window, sink_tokens, rotary)
 
         super().__init__(model, retention, storage=storage)
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """Four sinks (the paper's) and the rest of ``budget`` as the window; fewer sinks below 8 tokens."""
+        sinks = min(4, budget // 2)
+        return {"sink_tokens": sinks, "window": budget - sinks}

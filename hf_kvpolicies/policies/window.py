@@ -30,3 +30,8 @@ class SlidingWindowCache(PolicyCache):
         check_int("window", window, minimum=1)
         self.window = window
         super().__init__(model, lambda layout: RingRetention(window), storage=storage)
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """A window of ``budget`` tokens."""
+        return {"window": budget}
