@@ -64,10 +64,6 @@ SHAPES: dict[str, Callable[[], PreTrainedModel]] = {
 }
 """Model shapes of Llama-3-8B and Qwen2.5-7B (their published configs' sizes), and a tiny one."""
 
-UNBOUNDED = ("full", "fp8")
-"""Policies measured once per context (they keep every token); the others once per budget."""
-
-
 @dataclass
 class Row:
     label: str
@@ -102,9 +98,8 @@ def contenders(policies: list[str], budgets: list[int]) -> list[tuple[str, Calla
         ("StaticCache", lambda model, context: StaticCache(config=model.config, max_cache_len=context + 64)),
     ]
     for name in policies:
-        constructor = policy_constructor(name)
-        parameters = getattr(constructor, "budget_parameters", lambda budget: None)
-        if name in UNBOUNDED or parameters(budgets[0]) is None:
+        parameters = getattr(policy_constructor(name), "budget_parameters", lambda budget: None)
+        if parameters(budgets[0]) is None:  # keeps every token: once per context
             made.append((name, lambda model, context, name=name: from_spec(model, name)))
             continue
         for budget in budgets:
