@@ -152,6 +152,9 @@ class FP8Storage(Storage):
         self._held = 0  # residual entries in use (they fill [0, residual) in order)
         self._next = 0  # ring position of the next entry
         self._written_end = 0  # one past the highest slot ever written: reads that cover it need no filter
+        self._shadowed: list[int] | None = [-1] * self.residual
+        """Host copy of the slot each entry shadows while every write had ``int`` slots (then all
+        rows and heads agree); ``None`` once a per-row tensor of slots was written."""
 
     @classmethod
     def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn"):
@@ -184,8 +187,13 @@ class FP8Storage(Storage):
         return f"FP8Storage(residual={self.residual}, dtype={self.format.name!r})"
 
     # --- the Storage interface ---------------------------------------------------------
-    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+    def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, head_dim = like.shape
+        if value_dim not in (None, head_dim):
+            raise NotImplementedError(
+                f"fp8 storage holds keys and values of one width; got {head_dim} and {value_dim} "
+                "(use storage='native' for this model)"
+            )
         self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
         self.payload = torch.zeros(2, batch, heads, capacity, head_dim, dtype=torch.uint8, device=like.device)
         self.scales = torch.zeros(2, batch, heads, capacity, 1, dtype=torch.uint8, device=like.device)
@@ -193,6 +201,7 @@ class FP8Storage(Storage):
             self.residual_values = like.new_zeros(2, batch, heads, self.residual, head_dim)
             self.residual_slots = torch.zeros(batch, heads, self.residual, dtype=torch.long, device=like.device)
         self._held = self._next = self._written_end = 0
+        self._shadowed = [-1] * self.residual
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
@@ -205,11 +214,6 @@ class FP8Storage(Storage):
         self.capacity = capacity
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape != values.shape:
-            raise NotImplementedError(
-                f"fp8 storage holds keys and values of one shape; got {tuple(keys.shape)} and {tuple(values.shape)} "
-                "(use storage='native' for this model)"
-            )
         fresh = torch.stack([keys, values])
         payload, codes = self.format.quantise(fresh)
         q = keys.shape[-2]
@@ -225,7 +229,8 @@ class FP8Storage(Storage):
             else:
                 self.payload.scatter_(3, _expand(slots, payload), payload)
                 self.scales.scatter_(3, _expand(slots, codes), codes)
-            start, end = int(slots.min()), int(slots.max()) + 1
+            # the slots' values stay on the device: assume the write may touch any slot
+            start, end = 0, self.capacity
         unwritten = start >= self._written_end  # an append: no residual entry can shadow these slots
         self._written_end = max(self._written_end, end)
         if self.residual:
@@ -283,15 +288,13 @@ class FP8Storage(Storage):
         """
         q = fresh.shape[-2]
         if self._held and not unwritten:
-            held = self.residual_slots[:, :, : self._held]
-            match = _shadowing(held, slots, q)  # [batch, heads, held, q]
-            shadowed = match.any(dim=-1)
-            if bool(shadowed.any()):
-                source = match.to(torch.uint8).argmax(dim=-1)
-                current = self.residual_values[:, :, :, : self._held]
-                new = fresh.gather(3, _expand(source, fresh))
-                self.residual_values[:, :, :, : self._held] = torch.where(shadowed[None, ..., None], new, current)
-                if bool(match.any(dim=-2).all()):
+            if self._shadowed is None or not isinstance(slots, int):  # per-row slots: refresh on the device, always push
+                self._refresh(slots, fresh)
+            else:  # int slots: which entries they hit is known on the host
+                held, written = set(self._shadowed[: self._held]), range(slots, slots + q)
+                if not held.isdisjoint(written):
+                    self._refresh(slots, fresh)
+                if held.issuperset(written):
                     return
         count = min(q, self.residual)
         if count == 1:
@@ -305,8 +308,23 @@ class FP8Storage(Storage):
                 tail = slots[..., q - count :]
             self.residual_values[:, :, :, ring] = fresh[:, :, :, q - count :]
             self.residual_slots[:, :, ring] = tail
+        if self._shadowed is not None and isinstance(slots, int):
+            for offset, slot in enumerate(range(slots + q - count, slots + q)):
+                self._shadowed[(self._next + offset) % self.residual] = slot
+        else:
+            self._shadowed = None
         self._next = (self._next + count) % self.residual
         self._held = min(self.residual, self._held + count)
+
+    def _refresh(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
+        """Entries whose slot this write overwrites take the new content (no read-back: a select)."""
+        held = self.residual_slots[:, :, : self._held]
+        match = _shadowing(held, slots, fresh.shape[-2])  # [batch, heads, held, q]
+        shadowed = match.any(dim=-1)
+        source = match.to(torch.uint8).argmax(dim=-1)
+        current = self.residual_values[:, :, :, : self._held]
+        new = fresh.gather(3, _expand(source, fresh))
+        self.residual_values[:, :, :, : self._held] = torch.where(shadowed[None, ..., None], new, current)
 
     def _override(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``out`` (decoded ``slots``: ``[n]`` or ``[batch, heads, n]``) with residual slots made native."""
