@@ -39,7 +39,7 @@ Exact, and made of vectorised integer and float operations on any device.
 from __future__ import annotations
 
 import math
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
@@ -157,10 +157,10 @@ class FP8Storage(Storage):
         rows and heads agree); ``None`` once a per-row tensor of slots was written."""
 
     @classmethod
-    def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn"):
+    def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> FP8Factory:
         """A zero-argument factory for ``storage=`` on any policy (the options are checked now)."""
-        cls(residual, dtype)
-        return partial(cls, residual=residual, dtype=dtype)
+        checked = cls(residual, dtype)
+        return FP8Factory(checked.residual, checked.format.name)
 
     @classmethod
     def from_options(cls, options: str):
@@ -335,6 +335,20 @@ class FP8Storage(Storage):
         entry = match.to(torch.uint8).argmax(dim=-1)
         native = self.residual_values[:, :, :, : self._held].gather(3, _expand(entry, out))
         return torch.where(found[None, ..., None], native, out)
+
+
+@dataclass(frozen=True)
+class FP8Factory:
+    """Builds one layer's :class:`FP8Storage`; its repr is the call that made it."""
+
+    residual: int
+    dtype: str
+
+    def __call__(self) -> FP8Storage:
+        return FP8Storage(self.residual, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"FP8Storage.factory(residual={self.residual}, dtype={self.dtype!r})"
 
 
 def _expand(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
