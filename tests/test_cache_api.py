@@ -67,6 +67,22 @@ def test_latent_attention_matches_dynamic_cache(spec):
     assert (keys.shape[-1], values.shape[-1]) == (16, 8)  # each sized from its own width
 
 
+@pytest.mark.parametrize(("native_spec", "fp8_spec"), [
+    ("full", "fp8:residual={}"),
+    ("window:window=6", "window:window=6,storage=fp8:residual={}"),
+])
+def test_latent_attention_in_fp8_sizes_values_from_the_values(native_spec, fp8_spec):
+    model = tiny_deepseek_v3()
+    ids = random_ids(1, 30)
+    native = prefill_then_decode(model, ids, from_spec(model, native_spec), prefill=10)
+    all_native = from_spec(model, fp8_spec.format(64))  # a residual covering the stream: nothing quantised
+    torch.testing.assert_close(prefill_then_decode(model, ids, all_native, prefill=10), native, atol=1e-5, rtol=0)
+    quantised = from_spec(model, fp8_spec.format(0))
+    assert 0 < (prefill_then_decode(model, ids, quantised, prefill=10) - native).abs().max() < 0.05
+    storage = quantised.layers[0].storage
+    assert storage.payload.shape[-1] == 16 + 8 and storage.scales.shape[-1] == 2  # a key scale and a value scale
+
+
 def test_latent_attention_window_evicts_like_its_reference():
     model = tiny_deepseek_v3()
     ids = random_ids(1, 30)
