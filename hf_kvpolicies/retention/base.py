@@ -13,6 +13,9 @@ Every ``update`` goes one of two ways:
   bounded cache that cannot take them without evicting tokens that those very queries still
   attend to), attention gets the kept tokens in positional order followed by the new ones,
   under ordinary causal attention, and :meth:`Retention.select` then decides which of them stay.
+  The new ones are seen as the storage would return them once written
+  (:meth:`~hf_kvpolicies.storage.base.Storage.as_written`: fp8 quantises all but the newest
+  ``residual``), as the in-place path sees them: both paths attend to what the storage holds.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class Retention(ABC):
             return storage.read(self.live)
         kept = self.kept_slots()
         old_keys, old_values = storage.gather(kept.to(storage.device))
+        keys, values = storage.as_written(keys, values)
         all_keys = torch.cat([old_keys, keys], dim=-2)
         all_values = torch.cat([old_values, values], dim=-2)
         positions = torch.cat([self.slot_pos[kept], torch.arange(self.seen, self.seen + q)])

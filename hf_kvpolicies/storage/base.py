@@ -52,6 +52,15 @@ class Storage(ABC):
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (``LongTensor[n]`` or ``[batch, heads, n]``) in the model's dtype."""
 
+    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a read would return for ``keys``/``values`` right after writing them.
+
+        A forward that attends to tokens before storing them (the concatenate path of a bounded
+        retention) attends to this, so it sees what the in-place path, which writes first and then
+        reads, would see: a padded batch and its rows run alone then agree. Native: the tokens.
+        """
+        return keys, values
+
     @abstractmethod
     def reorder(self, batch_index: torch.Tensor) -> None:
         """Select rows along the batch axis (beam search, batch expansion or selection)."""

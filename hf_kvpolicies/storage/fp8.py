@@ -261,6 +261,16 @@ class FP8Storage(Storage):
             out = self._override(out, slots)
         return self._split(out)
 
+    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded from fp8, but the newest ``residual`` tokens native, as a write then a read gives."""
+        q = keys.shape[-2]
+        if q <= self.residual:
+            return keys, values
+        fresh = torch.cat([keys, values], dim=-1)
+        quantised = fresh[:, :, : q - self.residual]
+        out = torch.cat([self._dequantise(*self._quantise(quantised)), fresh[:, :, q - self.residual :]], dim=-2)
+        return self._split(out)
+
     def reorder(self, batch_index: torch.Tensor) -> None:
         batch_index = batch_index.to(self.device)
         self.payload = self.payload.index_select(0, batch_index)
