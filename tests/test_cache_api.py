@@ -12,7 +12,8 @@ from helpers import left_padded, prefill_then_decode, streaming_reference
 from tiny_models import random_ids, tiny_deepseek_v3, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
-from hf_kvpolicies import FP8Cache, FullCache, SinkCache, SlidingWindowCache, from_spec
+from hf_kvpolicies import FP8Cache, FullCache, SinkCache, SlidingWindowCache, available_policies, from_spec
+from hf_kvpolicies.specs import policy_constructor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,6 +114,18 @@ def test_iterating_yields_what_dynamic_cache_yields():
         torch.testing.assert_close(keys, ref_keys, atol=0, rtol=0)
         torch.testing.assert_close(values, ref_values, atol=0, rtol=0)
         assert (window is None) == (ref_window is None) and (window is None or int(window) == int(ref_window))
+
+
+@pytest.mark.parametrize("name", available_policies())
+def test_every_policy_iterates_over_what_it_keeps(name):
+    model = tiny_llama()
+    constructor = policy_constructor(name)
+    cache = constructor(model, **(constructor.budget_parameters(8) or {}))
+    prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
+    layers = list(cache)
+    assert len(layers) == 2
+    for index, (keys, values, window) in enumerate(layers):
+        assert keys.shape == values.shape == (2, 2, cache.stored_tokens(index), 16) and window is None
 
 
 def test_repr_is_readable():

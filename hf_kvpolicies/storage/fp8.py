@@ -314,7 +314,9 @@ class FP8Storage(Storage):
         shadow one slot: they agree, and a read may scatter them in any order). Then the newest
         ``min(q, residual)`` tokens are pushed into the ring, unless every slot written was
         shadowed already: a rewrite of shadowed slots (re-rotated sinks, a ring smaller than the
-        residual) refreshes them in place and does not push fresher tokens out.
+        residual) refreshes them in place and does not push fresher tokens out. Which slots are
+        shadowed is known on the host while writes name ``int`` slots; a per-row tensor of slots
+        (H2O) stays on the device, so such a write refreshes with a select and always pushes.
         """
         q = fresh.shape[-2]
         if self._held and not unwritten:
