@@ -113,13 +113,18 @@ class Retention(ABC):
             return storage.read(self.live)
         kept = self.kept_slots()
         old_keys, old_values = storage.gather(kept.to(storage.device))
-        keys, values = storage.as_written(keys, values)
         all_keys = torch.cat([old_keys, keys], dim=-2)
         all_values = torch.cat([old_values, values], dim=-2)
         positions = torch.cat([self.slot_pos[kept], torch.arange(self.seen, self.seen + q)])
         stay = self.select(positions)
         stay_dev = stay.to(storage.device)
+        # store the new tokens as they came (fp8's residual keeps the newest natively) ...
         storage.write(0, all_keys.index_select(2, stay_dev), all_values.index_select(2, stay_dev))
+        # ... but attend to them as the storage holds them, as a write then a read would give
+        seen_keys, seen_values = storage.as_written(keys, values)
+        if seen_keys is not keys:
+            all_keys = torch.cat([old_keys, seen_keys], dim=-2)
+            all_values = torch.cat([old_values, seen_values], dim=-2)
         self.slot_pos.fill_(-1)
         self.slot_pos[: stay.numel()] = positions[stay]
         self.live = stay.numel()

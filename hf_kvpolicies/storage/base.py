@@ -44,6 +44,11 @@ class Storage(ABC):
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys``/``values`` (``[batch, heads, q, head_dim]``) into ``slots``, in place."""
 
+    def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the content of kept tokens (re-rotated or displaced sinks): a write that brings no
+        new token, so a storage that favours recent writes (fp8's residual) does not count it."""
+        self.write(slots, keys, values)
+
     @abstractmethod
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[0, length)`` in the model's dtype (a view where possible)."""

@@ -213,6 +213,13 @@ class FP8Storage(Storage):
         self.capacity = capacity
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._write(slots, keys, values, new_tokens=True)
+
+    def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Native copies of these slots are refreshed; no entry is pushed (recent tokens stay native)."""
+        self._write(slots, keys, values, new_tokens=False)
+
+    def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, new_tokens: bool) -> None:
         fresh = torch.cat([keys, values], dim=-1)
         payload, codes = self._quantise(fresh)
         q = keys.shape[-2]
@@ -233,7 +240,7 @@ class FP8Storage(Storage):
         unwritten = start >= self._written_end  # an append: no residual entry can shadow these slots
         self._written_end = max(self._written_end, end)
         if self.residual:
-            self._remember(slots, fresh, unwritten)
+            self._remember(slots, fresh, unwritten, push=new_tokens)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if length == 0:
@@ -306,7 +313,7 @@ class FP8Storage(Storage):
         return out[..., : self.key_dim], out[..., self.key_dim :]
 
     # --- the residual ------------------------------------------------------------------
-    def _remember(self, slots: SlotIndex, fresh: torch.Tensor, unwritten: bool) -> None:
+    def _remember(self, slots: SlotIndex, fresh: torch.Tensor, unwritten: bool, push: bool) -> None:
         """Keep native copies of what was just written.
 
         Invariant: every entry in use holds the current content of the slot it shadows. So
@@ -314,7 +321,8 @@ class FP8Storage(Storage):
         shadow one slot: they agree, and a read may scatter them in any order). Then the newest
         ``min(q, residual)`` tokens are pushed into the ring, unless every slot written was
         shadowed already: a rewrite of shadowed slots (re-rotated sinks, a ring smaller than the
-        residual) refreshes them in place and does not push fresher tokens out. Which slots are
+        residual) refreshes them in place and does not push fresher tokens out, nor does a
+        :meth:`rewrite` (sinks re-rotated or moved, which are no new tokens). Which slots are
         shadowed is known on the host while writes name ``int`` slots; a per-row tensor of slots
         (H2O) stays on the device, so such a write refreshes with a select and always pushes.
         """
@@ -328,6 +336,8 @@ class FP8Storage(Storage):
                     self._refresh(slots, fresh)
                 if held.issuperset(written):
                     return
+        if not push:
+            return
         count = min(q, self.residual)
         if count == 1:
             self.residual_values[:, :, self._next] = fresh[:, :, -1]
