@@ -6,7 +6,7 @@ import torch
 
 from ..storage import Storage
 from ..storage.base import SlotIndex
-from .base import Retention, grown_capacity
+from .base import Retention
 from .window import RingRetention
 
 
@@ -19,7 +19,9 @@ class FullRetention(Retention):
     keeps_by_position = True
 
     def capacity(self, first_chunk: int) -> int:
-        return grown_capacity(first_chunk)
+        """Exactly the first chunk (a prompt costs what ``DynamicCache`` pays); the first decode
+        step grows the buffer by a quarter."""
+        return max(1, first_chunk)
 
     def plan(self, q: int) -> SlotIndex:
         return self.live
