@@ -68,10 +68,11 @@ class PolicyLayer(CacheLayerMixin):
         self.device = key_states.device
         return keys, values
 
-    def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the tokens kept, in position order (``[batch, heads, kept, dim]``)."""
+    def kept(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Keys and values of the tokens kept (``[batch, heads, kept, dim]``; ``None`` before the
+        first update, as ``DynamicLayer``'s)."""
         if not self.storage.is_allocated:
-            return torch.empty(0), torch.empty(0)
+            return None, None
         return self.storage.gather(self.retention.kept_slots().to(self.storage.device))
 
     def get_seq_length(self) -> int:
@@ -233,7 +234,7 @@ class PolicyCache(Cache):
         super().reset()
         self.padded = self._announced = None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
         """Per layer, as ``DynamicCache`` yields: kept keys, kept values, and the model's sliding
         window as a tensor on sliding layers (``None`` elsewhere)."""
         for layer, layout in zip(self.layers, self.layouts):

@@ -15,10 +15,9 @@ which model instance runs it (a cache built for another instance raises ``ValueE
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
-
-import uuid
 
 import torch
 from torch import nn
