@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prefill_then_decode
-from tiny_models import random_ids, tiny_llama
+from helpers import generated_logits, left_padded, prefill_then_decode
+from tiny_models import random_ids, tiny_llama, tiny_qwen3
 from transformers.cache_utils import Fp8QuantizedLayer
 
 from hf_kvpolicies import (
@@ -45,6 +45,9 @@ class FakeFP8Storage(NativeStorage):
 
     def write(self, slots, keys, values) -> None:
         super().write(slots, fake_quantised(E4M3, keys), fake_quantised(E4M3, values))
+
+    def as_written(self, keys, values):
+        return fake_quantised(E4M3, keys), fake_quantised(E4M3, values)
 
 
 def wide_range(shape, seed: int = 0) -> torch.Tensor:
@@ -378,6 +381,48 @@ def test_composed_policy_close_to_native(policy):
     assert (fp8 - native).abs().max() <= LOGIT_TOLERANCE
     for ours, theirs in zip(kept_positions(fp8_cache), kept_positions(native_cache)):
         assert torch.equal(ours, theirs)
+
+
+# --- padded batches: the rows agree with themselves run alone -------------------------------
+PADDED_SINK_BOUND = 1e-2
+"""Sinks re-written in a padded batch stay native in the residual where the row alone holds them
+in fp8 (or the reverse): the rows may differ by the fp8 error of their few sink tokens."""
+
+
+def padded_against_alone(model, spec: str) -> float:
+    """Max logit difference over 12 generated tokens between a left-padded batch of 3 rows (40,
+    9 and 20 tokens: longer and shorter than the budget) and each row run alone."""
+    rows = [random_ids(1, 40, seed=1), random_ids(1, 9, seed=2), random_ids(1, 20, seed=3)]
+    ids, mask = left_padded(rows)
+    batch = generated_logits(model, ids, from_spec(model, spec), 12, attention_mask=mask)
+    return max(
+        float((batch[i] - generated_logits(model, row, from_spec(model, spec), 12)[0]).abs().max())
+        for i, row in enumerate(rows)
+    )
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("spec", [
+    "window:window=12,storage=fp8",
+    "window:window=12,storage=fp8:residual=0",
+    "window:window=30,storage=fp8:residual=4",
+    "sink:sink_tokens=2,window=10,storage=fp8",
+    "sink:sink_tokens=2,window=10,storage=fp8:residual=0",
+    "sink:sink_tokens=4,window=20,positions=absolute,storage=fp8:residual=3",
+    "sink:sink_tokens=4,window=40,storage=fp8",
+])
+def test_padded_batch_in_fp8_equals_each_row_alone(make_model, spec, one_thread):
+    """A prompt longer than the budget attends before it is stored (concatenate path), a shorter
+    one after (in place): both see the new tokens as the storage holds them."""
+    assert padded_against_alone(make_model(), spec) < 1e-5
+
+
+@pytest.mark.parametrize("positions", ["cache", "absolute"])
+def test_padded_batch_in_fp8_with_a_small_residual_is_within_the_sink_bound(positions, one_thread):
+    """A residual (8) smaller than the ring (11): the padded rows' sinks may sit natively in one run
+    and in fp8 in the other; every other token is held alike."""
+    spec = f"sink:sink_tokens=4,window=6,positions={positions},storage=fp8:residual=8"
+    assert 0 < padded_against_alone(tiny_qwen3(), spec) < PADDED_SINK_BOUND
 
 
 # --- options and bad input -------------------------------------------------------------------

@@ -120,6 +120,11 @@ class H2ORetention(Retention):
         positions = self.positions[..., : self.live] if index is None else self.positions.gather(-1, index)
         return positions.sort(dim=-1).values
 
+    def kept_slots(self) -> torch.Tensor:
+        """``[batch, kv_heads, kept]`` slots of the kept tokens, in slot order (for iteration)."""
+        index = self._kept_index()
+        return torch.arange(self.live) if index is None else index
+
     def key_positions(self, q: int) -> torch.Tensor:
         """Positions differ per row and head; only padded batches would need them, and H2O rejects those."""
         raise NotImplementedError(PADDING_UNSUPPORTED)

@@ -148,7 +148,7 @@ class SinkRetention(RingRetention):
         keys = self.sink_keys if self.rotary is None else self.rotary.rotate(self.sink_keys, offset)
         if keys.dtype != self.sink_values.dtype:
             keys = keys.to(self.sink_values.dtype)
-        storage.write(0, keys, self.sink_values)
+        storage.rewrite(0, keys, self.sink_values)
         self._offset, self._stale = offset, False
 
 

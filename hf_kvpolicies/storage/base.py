@@ -1,6 +1,7 @@
 """The storage axis: how the key/value slots of one layer are held in memory.
 
-A storage is a slot-addressed pair of tensors shaped ``[batch, kv_heads, slots, head_dim]``.
+A storage is a slot-addressed pair of tensors shaped ``[batch, kv_heads, slots, head_dim]``
+(values may be narrower or wider than keys: each is sized from its own last dim).
 It knows nothing about which token lives in which slot: that is the retention's job.
 """
 
@@ -28,8 +29,12 @@ class Storage(ABC):
         return self.dtype is not None
 
     @abstractmethod
-    def allocate(self, like: torch.Tensor, capacity: int) -> None:
-        """Create ``capacity`` empty slots shaped like ``like`` (``[batch, heads, *, head_dim]``)."""
+    def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
+        """Create ``capacity`` empty slots shaped like ``like`` (keys: ``[batch, heads, *, head_dim]``).
+
+        ``value_dim``: the values' last dim where it differs from the keys' (multi-head latent
+        attention stores 192-wide keys and 128-wide values); ``None`` for the keys' own.
+        """
 
     @abstractmethod
     def grow(self, capacity: int) -> None:
@@ -39,6 +44,11 @@ class Storage(ABC):
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys``/``values`` (``[batch, heads, q, head_dim]``) into ``slots``, in place."""
 
+    def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the content of kept tokens (re-rotated or displaced sinks): a write that brings no
+        new token, so a storage that favours recent writes (fp8's residual) does not count it."""
+        self.write(slots, keys, values)
+
     @abstractmethod
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[0, length)`` in the model's dtype (a view where possible)."""
@@ -46,6 +56,15 @@ class Storage(ABC):
     @abstractmethod
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (``LongTensor[n]`` or ``[batch, heads, n]``) in the model's dtype."""
+
+    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a read would return for ``keys``/``values`` right after writing them.
+
+        A forward that attends to tokens before storing them (the concatenate path of a bounded
+        retention) attends to this, so it sees what the in-place path, which writes first and then
+        reads, would see: a padded batch and its rows run alone then agree. Native: the tokens.
+        """
+        return keys, values
 
     @abstractmethod
     def reorder(self, batch_index: torch.Tensor) -> None:
