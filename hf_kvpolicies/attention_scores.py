@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from .cache import PolicyCache
 from .masks import MASK_FORMATS, decoder_of
@@ -105,6 +106,20 @@ def detach_query_hook(model: nn.Module) -> None:
     setattr(decoder, HOOK_ATTRIBUTE, None)
 
 
+def query_receiver(cache: object, layer_idx: int) -> QueryReceiver | None:
+    """Who takes the queries of layer ``layer_idx`` in the cache's next forward, if anyone.
+
+    A :class:`PolicyCache` layer's retention when it has ``receive_query``; for any other
+    ``transformers.Cache``, a layer that has ``receive_query`` itself (KVzip's reconstruction
+    replays the context through such a cache). Every other cache gets ``None``: the hooks stay inert.
+    """
+    if isinstance(cache, PolicyCache):
+        return getattr(cache.layers[layer_idx].retention, "receive_query", None)
+    if isinstance(cache, Cache):
+        return getattr(cache.layers[layer_idx], "receive_query", None)
+    return None
+
+
 class _QueryTap:
     """The two hooks of one attention module and what passes from the first to the second."""
 
@@ -121,9 +136,7 @@ class _QueryTap:
         if cache is None:
             cache = kwargs.get("past_key_values")  # the name before transformers 5.40
         self.receiver = None
-        if not isinstance(cache, PolicyCache):
-            return
-        receiver = getattr(cache.layers[module.layer_idx].retention, "receive_query", None)
+        receiver = query_receiver(cache, module.layer_idx)
         if receiver is None:
             return
         implementation = module.config._attn_implementation
