@@ -8,7 +8,13 @@ from tiny_models import char_tokenizer, random_ids, tiny_gemma3, tiny_llama, tin
 from transformers import DynamicCache
 
 from hf_kvpolicies import attention_scores
-from hf_kvpolicies.reconstruction import RepeatPrompt, answer_opening, check_reconstructable, reconstruction_scores
+from hf_kvpolicies.reconstruction import (
+    RepeatPrompt,
+    answer_opening,
+    check_reconstructable,
+    max_attention,
+    reconstruction_scores,
+)
 
 PROMPT = RepeatPrompt.from_tokenizer(char_tokenizer())
 
@@ -46,6 +52,32 @@ def reference_scores(eager_model, ids: torch.Tensor, chunk: int) -> list[torch.T
         scores = [a[:, :, length:, :length].amax(dim=2).view(1, kv_heads, groups, length).amax(dim=2) for a in attentions]
         best = scores if best is None else [torch.maximum(a, b) for a, b in zip(best, scores)]
     return best
+
+
+def naive_max(query, keys, scaling, first_new, key_mask):
+    """The whole query x key matrix at once, heads expanded: causal, masked softmax, max over queries and grouped heads."""
+    batch, query_heads, length, _ = query.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[2]
+    expanded = keys.repeat_interleave(query_heads // kv_heads, dim=1)
+    logits = query @ expanded.transpose(-1, -2) * scaling
+    hidden = torch.arange(key_count)[None, :] > (first_new + torch.arange(length))[:, None]
+    hidden = hidden | ~key_mask.repeat_interleave(query_heads // kv_heads, dim=1)[:, :, None, :]
+    probs = logits.masked_fill(hidden, float("-inf")).softmax(-1)
+    return probs.amax(2).view(batch, kv_heads, -1, key_count).amax(2)
+
+
+@pytest.mark.parametrize("chunk_elements", [10**9, 2 * 6 * 50 * 4, 1], ids=["whole", "4-queries", "1-query"])
+def test_max_attention_equals_the_whole_matrix(chunk_elements):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 37, 8, generator=generator)
+    keys = torch.randn(2, 3, 50, 8, generator=generator)  # 13 earlier keys, then the 37 new ones
+    key_mask = torch.rand(2, 3, 50, generator=generator) > 0.2
+    expected = naive_max(query, keys, 0.35, 13, key_mask)
+    got = max_attention(query, keys, 0.35, 13, key_mask=key_mask, chunk_elements=chunk_elements)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert torch.equal(got[~key_mask], torch.zeros_like(got[~key_mask]))  # pads receive nothing
+    step = max_attention(query[:, :, -1:], keys, 0.35, 49)  # one decode step sees every key
+    torch.testing.assert_close(step, naive_max(query[:, :, -1:], keys, 0.35, 49, torch.ones_like(key_mask)))
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
