@@ -11,6 +11,7 @@ from .cache import PolicyCache, PolicyLayer
 from .policies import FullCache, SlidingWindowCache
 from .policies.fp8 import FP8Cache
 from .policies.h2o import H2OCache
+from .policies.kvzip import KVzipCache
 from .policies.sink import SinkCache
 from .specs import available_policies, from_spec, parse_spec, register_policy
 from .storage import FP8Storage, available_storages, register_storage
@@ -19,6 +20,7 @@ register_policy("full", FullCache)
 register_policy("window", SlidingWindowCache)
 register_policy("fp8", FP8Cache)
 register_policy("h2o", H2OCache)
+register_policy("kvzip", KVzipCache)
 register_policy("sink", SinkCache)
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "FP8Storage",
     "FullCache",
     "H2OCache",
+    "KVzipCache",
     "PolicyCache",
     "PolicyLayer",
     "SinkCache",

@@ -235,3 +235,25 @@ def accumulated_attention(
             probs = probs * query_mask[:, None, None, start:stop, None]
         total[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
     return total
+
+
+def max_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    chunk_elements: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest softmax probability each key receives from any query, over the query heads of
+    its KV head (KVzip's statistic). Arguments as in :func:`accumulated_attention`; returns fp32
+    ``[batch, kv_heads, k]``, 0 for keys that no query sees (pads, the queries' future)."""
+    batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
+    best = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
+    for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
+        if query_mask is not None:
+            probs = probs * query_mask[:, None, None, start:stop, None]
+        seen = best[..., : probs.shape[-1]]
+        torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
+    return best

@@ -35,8 +35,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import attention_scores
-from .attention_scores import attach_query_hook
+from .attention_scores import attach_query_hook, max_attention
 from .masks import decoder_of
 from .model_layout import layer_layouts
 
@@ -153,54 +152,9 @@ class ReplayCache(Cache):
 
     def set_masks(self, key_mask: torch.Tensor | None, query_mask: torch.Tensor | None) -> None:
         """Which keys are real tokens and which reconstruction queries count, for the next forward."""
+        key_mask = None if key_mask is None else key_mask[:, None, :]  # one mask for every KV head
         for layer in self.layers:
             layer.key_mask, layer.query_mask = key_mask, query_mask
-
-
-def max_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    first_new: int,
-    key_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
-    chunk_elements: int | None = None,
-) -> torch.Tensor:
-    """The largest softmax probability each key receives from the queries.
-
-    ``query`` is ``[batch, query_heads, q, head_dim]``, ``keys`` ``[batch, kv_heads, k, head_dim]``;
-    query ``i`` sits at key index ``first_new + i`` and sees the keys up to it (causal).
-    ``key_mask`` (``[batch, k]`` or ``[batch, kv_heads, k]``, True: a real token) hides pads;
-    ``query_mask`` ``[batch, q]`` drops pad queries. Returns fp32 ``[batch, kv_heads, k]``, the
-    maximum over queries and over the query heads of each KV head (pads and keys no query sees
-    get 0). Queries go in chunks of at most ``chunk_elements`` probabilities (default
-    :data:`~hf_kvpolicies.attention_scores.SCORE_CHUNK_ELEMENTS`), with eager attention's arithmetic.
-    """
-    batch, query_heads, length, head_dim = query.shape
-    kv_heads, key_count = keys.shape[1], keys.shape[2]
-    groups = query_heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
-    keys_t = keys.transpose(-1, -2)
-    if key_mask is not None:
-        key_mask = (key_mask if key_mask.dim() == 3 else key_mask[:, None, :])[:, :, None, None, :]
-    key_index = torch.arange(key_count, device=keys.device)
-    step = max(1, (chunk_elements or attention_scores.SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
-    best = None
-    for start in range(0, length, step):
-        stop = min(length, start + step)
-        rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
-        logits = (torch.matmul(rows, keys_t) * scaling).view(batch, kv_heads, groups, stop - start, key_count)
-        if first_new + start + 1 < key_count:  # a key lies after the chunk's first query
-            future = key_index > first_new + torch.arange(start, stop, device=keys.device)[:, None]
-            logits = logits.masked_fill(future, float("-inf"))
-        if key_mask is not None:
-            logits = logits.masked_fill(~key_mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if query_mask is not None:  # masked_fill, not a product: a query with no key at all gives NaN
-            probs = probs.masked_fill(~query_mask[:, None, None, start:stop, None], 0.0)
-        part = probs.amax(dim=(2, 3))
-        best = part if best is None else torch.maximum(best, part)
-    return best
 
 
 @torch.no_grad()

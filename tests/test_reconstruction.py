@@ -8,11 +8,11 @@ from tiny_models import char_tokenizer, random_ids, tiny_gemma3, tiny_llama, tin
 from transformers import DynamicCache
 
 from hf_kvpolicies import attention_scores
+from hf_kvpolicies.attention_scores import max_attention
 from hf_kvpolicies.reconstruction import (
     RepeatPrompt,
     answer_opening,
     check_reconstructable,
-    max_attention,
     reconstruction_scores,
 )
 
