@@ -250,7 +250,7 @@ class ScoredRetention(Retention):
         extra = {name: t[..., : self.live] for name, t in self.extra.items()}
         self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
         if self.live > self.budget:
-            self.free = self._evictable(self.positions, self.scores).argmin(dim=-1, keepdim=True)
+            self.free = self._lowest(self.positions, self.scores)
             self.has_free = True
         return all_keys, all_values
 
@@ -362,7 +362,7 @@ class ScoredRetention(Retention):
     def _trim(self, storage: Storage, pending: Pending) -> None:
         count = min(self.budget, pending.positions.shape[-1])
         ranked = self.selection_scores(pending.positions, pending.scores)
-        stay = self._evictable(pending.positions, ranked).topk(count, dim=-1).indices.sort(dim=-1).values
+        stay = self._best(pending.positions, ranked, count)
         if not storage.is_allocated:
             self._allocate(storage, pending.keys, self.budget + 1)
         index = expand_slots(stay, pending.keys)
@@ -375,6 +375,20 @@ class ScoredRetention(Retention):
             t[..., :count] = source.gather(-1, stay.view(*stay.shape[:2], *[1] * (t.dim() - 3), -1).expand(*source.shape[:-1], -1))
         self.live = count
         self.has_free = False
+
+    def _lowest(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
+        ranked = self._evictable(positions, scores)
+        lowest = ranked == ranked.amin(dim=-1, keepdim=True)
+        return positions.masked_fill(~lowest, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
+
+    def _best(self, positions: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """Indices (ascending) of the ``count`` tokens that stay: the protected ones, then the best
+        scores, the newest position among ties (ties are common after max pooling)."""
+        newest_first = positions.argsort(dim=-1, descending=True, stable=True)
+        ranked = self._evictable(positions, scores).gather(-1, newest_first)
+        best = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+        return newest_first.gather(-1, best).sort(dim=-1).values
 
     def _evictable(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf."""
