@@ -93,11 +93,7 @@ class KVzipCache(ScoredCache):
         )
         self.context_ids = None
         for (retention, _), score in zip(layers, scores):
-            if retention.pending is not None:
-                retention.pending.scores = score
-            else:
-                retention.scores[..., : retention.live] = score
-            retention.awaiting_reconstruction = False
+            retention.take_reconstruction(score)
 
     def reset(self) -> None:
         super().reset()

@@ -34,6 +34,16 @@ class KVzipRetention(ScoredRetention):
             max_attention(seen.query, seen.keys, seen.scaling, seen.first_new, key_mask=seen.key_mask, query_mask=seen.query_mask),
         )
 
+    def take_reconstruction(self, scores: torch.Tensor) -> None:
+        """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""
+        self.awaiting_reconstruction = False
+        if self.pending is not None:  # over budget: the trim that follows ranks by them
+            self.pending.scores = scores
+            return
+        self.scores[..., : self.live] = scores  # the prompt fits: stored in order, one slot per token
+        if self.has_free:  # it filled budget + 1 slots: the slot to free is chosen again, now by score
+            self.free = self._lowest(self.positions, self.scores)
+
     def reset(self) -> None:
         super().reset()
         self.awaiting_reconstruction = True
