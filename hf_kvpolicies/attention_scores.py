@@ -228,13 +228,7 @@ def accumulated_attention(
     drops the queries of pads. Returns fp32 ``[batch, kv_heads, k]``; the full query x key
     matrix of a long prompt is never held at once.
     """
-    batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
-    total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
-    for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
-        if query_mask is not None:
-            probs = probs * query_mask[:, None, None, start:stop, None]
-        total[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
-    return total
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=False)
 
 
 def max_attention(
@@ -249,11 +243,29 @@ def max_attention(
     """The largest softmax probability each key receives from any query, over the query heads of
     its KV head (KVzip's statistic). Arguments as in :func:`accumulated_attention`; returns fp32
     ``[batch, kv_heads, k]``, 0 for keys that no query sees (pads, the queries' future)."""
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=True)
+
+
+def received_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    chunk_elements: int | None,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    largest: bool,
+) -> torch.Tensor:
+    """Each key's probabilities over the queries and the query heads of its KV head, chunk by
+    chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either)."""
     batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
-    best = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
+    total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
     for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
         if query_mask is not None:
             probs = probs * query_mask[:, None, None, start:stop, None]
-        seen = best[..., : probs.shape[-1]]
-        torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
-    return best
+        seen = total[..., : probs.shape[-1]]
+        if largest:
+            torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
+        else:
+            seen += probs.sum(dim=(2, 3))
+    return total
