@@ -202,3 +202,17 @@ def test_what_it_cannot_serve_fails_clearly():
     cache = KVzipCache(model, budget=8, recent=2, tokenizer=TOKENIZER)
     with pytest.raises(ValueError, match="input_ids, not inputs_embeds"):
         model(inputs_embeds=model.model.embed_tokens(random_ids(1, 12)), cache=cache)
+
+
+def test_reset_reconstructs_the_next_prompt(one_thread):
+    model = peaked(tiny_llama(), factor=8.0)
+    first, second = random_ids(1, 30, seed=1), random_ids(1, 34, seed=2)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    fresh = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    prefill_then_decode(model, first, cache, prefill=20)
+    cache.reset()
+    got = prefill_then_decode(model, second, cache, prefill=24)
+    expected = prefill_then_decode(model, second, fresh, prefill=24)
+    assert torch.equal(got, expected)
+    for a, b in zip(cache.layers, fresh.layers):
+        assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())

@@ -94,6 +94,7 @@ class KVzipCache(ScoredCache):
         self.context_ids = None
         for (retention, _), score in zip(layers, scores):
             retention.take_reconstruction(score)
+            retention.defers_trim = retention.pending is not None  # only the prompt waits for the cache
 
     def reset(self) -> None:
         super().reset()
