@@ -348,3 +348,20 @@ def test_specs_and_budget_parameters():
     assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 8}
     for name in ("snapkv", "tova", "knorm"):
         assert name in available_policies()
+
+
+@pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])
+def test_cli_refuses_flex_attention_for_query_policies_in_one_line(policy, tmp_path, capsys, one_thread):
+    from eval.cli import main
+    from eval.data import embedded_text
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(embedded_text()[:3000], encoding="utf-8")
+    args = ["eval", "--model", str(model), "--text-file", str(text), "--policy", policy, "--attn-implementation",
+            "flex_attention", "--task", "perplexity", "--tokens", "32", "--no-progress", "--out", str(tmp_path / "out")]
+    capsys.readouterr()  # saving the model prints a progress bar
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "set_attn_implementation('sdpa')" in err and len(err.splitlines()) == 1, err
