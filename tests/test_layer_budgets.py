@@ -83,3 +83,13 @@ def test_adaptive_budgets_keep_the_total_and_size_each_layer(make, one_thread):
     short = make(model, layer_budgets="adaptive")  # a prompt within the budget: nothing to share
     prefill_then_decode(model, ids[:, :30], short, prefill=10)
     assert short.layer_budget_sizes() == [16] * 4
+
+
+def test_a_model_without_the_finishing_hook_is_refused_at_the_next_forward():
+    built_with, other = tiny_llama(), tiny_llama()  # same weights, another instance: no hooks
+    cache = KNormCache(built_with, budget=8, recent=2, layer_budgets="adaptive")
+    ids = random_ids(1, 24)
+    with torch.no_grad():
+        other(ids[:, :20], cache=cache)  # scored, waiting for the cache-level trim that never comes
+        with pytest.raises(RuntimeError, match="the model it was built for"):
+            other(ids[:, 20:21], cache=cache)
