@@ -43,8 +43,9 @@ HOOK_ATTRIBUTE = "_hf_kvpolicies_query_hooks"
 SERVED_MODEL_TYPES = ("gemma", "gemma3_text", "llama", "mistral", "qwen2", "qwen3")
 """Architectures whose attention computes ``rope(q_norm?(q_proj(x)))`` and nothing else."""
 
-SCORE_CHUNK_ELEMENTS = 1 << 22
-"""Attention probabilities held at once while scoring a long prompt (16 MiB in fp32)."""
+SCORE_CHUNK_ELEMENTS = 1 << 20
+"""Attention probabilities held at once while scoring a long prompt (4 MiB in fp32: a chunk stays
+in cache between the product, the softmax and the sum, which is what makes scoring cheap)."""
 
 Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 QueryReceiver = Callable[[torch.Tensor, float, "torch.Tensor | None"], None]
@@ -200,16 +201,13 @@ def attention_chunks(
         stop = min(length, start + step)
         end = min(key_count, first_new + stop)
         rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
-        logits = (torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)) * scaling).view(
-            batch, kv_heads, groups, stop - start, end
-        )
+        logits = torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)).mul_(scaling)
+        logits = logits.view(batch, kv_heads, groups, stop - start, end)
         if key_mask is not None:  # the lowest finite logit: a query that sees only pads stays finite
-            hidden = ~key_mask[:, :, None, None, :end]
-            logits = logits.masked_fill(hidden, torch.finfo(logits.dtype).min)
-        if first_new + start + 1 < end:  # a key lies after the chunk's first query
-            key_index = torch.arange(end, device=keys.device)
-            query_index = first_new + torch.arange(start, stop, device=keys.device)
-            logits = logits.masked_fill(key_index > query_index[:, None], float("-inf"))
+            logits.masked_fill_(~key_mask[:, :, None, None, :end], torch.finfo(logits.dtype).min)
+        if stop - start > 1:  # the chunk's own keys: each query sees those up to itself (in place, one block)
+            future = torch.ones(stop - start, stop - start, dtype=torch.bool, device=keys.device).triu(1)
+            logits[..., first_new + start : end].masked_fill_(future, float("-inf"))
         yield start, stop, torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 

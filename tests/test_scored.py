@@ -15,12 +15,12 @@ import functools
 
 import pytest
 import torch
-from helpers import prefill_then_decode
+from helpers import generated_logits, greedy, left_padded, prefill_then_decode
 from test_h2o import full_layers, peaked
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
-from hf_kvpolicies import FullCache, KNormCache, SnapKVCache, TOVACache
+from hf_kvpolicies import FullCache, H2OCache, KNormCache, SnapKVCache, TOVACache, available_policies, from_spec
 
 
 class SnapKVRule:
@@ -232,3 +232,136 @@ def test_budget_covering_everything_is_full_cache(make_cache, make_model, implem
     ids = random_ids(1, 48)
     expected = prefill_then_decode(model, ids, FullCache(model), prefill=16)
     assert torch.equal(prefill_then_decode(model, ids, make_cache(model), prefill=16), expected)
+
+
+SCORED = {
+    "h2o": lambda m, **kw: H2OCache(m, heavy=5, recent=3, **kw),
+    "snapkv": lambda m, **kw: SnapKVCache(m, budget=8, window=3, kernel=3, **kw),
+    "tova": lambda m, **kw: TOVACache(m, budget=8, **kw),
+    "knorm": lambda m, **kw: KNormCache(m, budget=8, recent=3, **kw),
+}
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(SCORED))
+def test_left_padded_batch_equals_each_row_alone(name, implementation, one_thread):
+    """Rows of 20, 13 and 6 tokens (budget 8: trimmed, trimmed, filling), 40 generated tokens:
+    logits and kept positions (shifted by the row's padding; pads never kept) as if alone."""
+    model = peaked(tiny_llama(), factor=8.0)
+    model.set_attn_implementation(implementation)
+    rows = [random_ids(1, n, seed=s) for n, s in [(20, 1), (13, 2), (6, 3)]]
+    ids, mask = left_padded(rows)
+    together = SCORED[name](model)
+    logits = generated_logits(model, ids, together, 40, attention_mask=mask)
+    for i, row in enumerate(rows):
+        alone = SCORED[name](model)
+        torch.testing.assert_close(logits[i : i + 1], generated_logits(model, row, alone, 40), atol=1e-5, rtol=0)
+        pads = ids.shape[1] - row.shape[1]
+        for a, b in zip(alone.layers, together.layers):
+            mine = b.retention.kept_positions()[i]
+            assert bool((mine[:, :-8] == -1).all()) or mine.shape[-1] == 8  # anything beyond the row's tokens is empty
+            assert torch.equal(mine[:, -a.retention.kept_positions().shape[-1] :] - pads, a.retention.kept_positions()[0])
+
+
+@pytest.mark.parametrize("name", sorted(SCORED))
+def test_beam_search_and_fp8_storage_keep_the_same_positions(name, one_thread):
+    model = peaked(tiny_llama(), factor=8.0)
+    ids = random_ids(1, 10, seed=3)
+    covering = {"h2o": dict(heavy=30, recent=30)}.get(name, dict(budget=60))
+    wide = type(SCORED[name](model))(model, **covering)
+    assert torch.equal(greedy(model, ids, wide, 16, num_beams=2), greedy(model, ids, FullCache(model), 16, num_beams=2))
+    cache = SCORED[name](model)
+    assert greedy(model, ids, cache, 16, num_beams=2).shape == (1, 26)
+    assert cache.layers[1].retention.kept_positions().shape == (2, 2, 8)  # both beams at the budget
+    long = random_ids(2, 60, seed=7)
+    native, fp8 = SCORED[name](model), SCORED[name](model, storage="fp8:residual=0")
+    prefill_then_decode(model, long, native, prefill=30)
+    prefill_then_decode(model, long, fp8, prefill=30)
+    # key norms are taken from the keys as the model computed them: the same positions exactly; the
+    # attention statistics see the fp8-rounded keys (as attention does), and only near-ties may differ
+    for a, b in zip(native.layers, fp8.layers):
+        mine, theirs = a.retention.kept_positions(), b.retention.kept_positions()
+        if name == "knorm":
+            assert torch.equal(mine, theirs)
+        else:
+            shared = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(mine.flatten(0, 1), theirs.flatten(0, 1)))
+            assert shared >= 0.8 * mine.numel()
+    assert fp8.get_memory_footprint() < native.get_memory_footprint()
+
+
+def test_reorder_moves_the_observation_history_with_the_rows(one_thread):
+    model = peaked(tiny_llama(), factor=8.0)
+    ids = random_ids(2, 50, seed=4)
+    cache = SnapKVCache(model, budget=8, window=3, kernel=3)
+    with torch.no_grad():
+        model(ids[:, :20], cache=cache)
+        for t in range(20, 30):
+            model(ids[:, t : t + 1], cache=cache)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        logits = [model(ids.flip(0)[:, t : t + 1], cache=cache).logits for t in range(30, 50)]
+    expected = SnapKVCache(model, budget=8, window=3, kernel=3)
+    expected_logits = prefill_then_decode(model, ids.flip(0), expected, prefill=20)
+    torch.testing.assert_close(torch.cat(logits, 1), expected_logits[:, 30:], atol=1e-5, rtol=0)
+    for a, b in zip(cache.layers, expected.layers):
+        torch.testing.assert_close(a.retention.extra["history"], b.retention.extra["history"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda m: SnapKVCache(m, budget=0), "budget must be an integer >= 1"),
+        (lambda m: SnapKVCache(m, budget=16, window=32), "window <= budget"),
+        (lambda m: SnapKVCache(m, budget=64, kernel=4), "must be odd"),
+        (lambda m: SnapKVCache(m, budget=64, kernel=0), "kernel must be an integer >= 1"),
+        (lambda m: SnapKVCache(m, budget=64, pooling="mean"), "pooling must be one of"),
+        (lambda m: TOVACache(m, budget=0), "budget must be an integer >= 1"),
+        (lambda m: KNormCache(m, budget=-3), "budget must be an integer >= 1"),
+        (lambda m: KNormCache(m, budget=8, recent=9), "recent <= budget"),
+        (lambda m: TOVACache(m, budget=8, layer_budgets="linear"), "layer_budgets='uniform', 'pyramid' or 'adaptive'"),
+        (lambda m: H2OCache(m, heavy=4, recent=4, layer_budgets="Pyramid"), "layer_budgets must be one of"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(tiny_llama())
+
+
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova"])
+def test_policies_that_read_queries_refuse_other_attention_at_construction(name, implementation):
+    model = tiny_llama()
+    model.config._attn_implementation_internal = implementation
+    with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\)"):
+        SCORED[name](model)
+    KNormCache(model, budget=8, recent=3)  # reads no queries: any implementation
+
+
+def test_specs_and_budget_parameters():
+    model = tiny_llama()
+    cache = from_spec(model, "snapkv:budget=64,window=16,kernel=5,pooling=avg,layer_budgets=pyramid")
+    assert (cache.budget, cache.window, cache.kernel, cache.pooling, cache.layer_budgets) == (64, 16, 5, "avg", "pyramid")
+    assert isinstance(from_spec(model, "tova:budget=32,storage=fp8"), TOVACache)
+    assert from_spec(model, "knorm:budget=32,recent=4").recent == 4
+    assert SnapKVCache.budget_parameters(256) == {"budget": 256, "window": 32}
+    assert SnapKVCache.budget_parameters(16) == {"budget": 16, "window": 16}
+    assert TOVACache.budget_parameters(256) == {"budget": 256}
+    assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 8}
+    for name in ("snapkv", "tova", "knorm"):
+        assert name in available_policies()
+
+
+@pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])
+def test_cli_refuses_flex_attention_for_query_policies_in_one_line(policy, tmp_path, capsys, one_thread):
+    from eval.cli import main
+    from eval.data import embedded_text
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(embedded_text()[:3000], encoding="utf-8")
+    args = ["eval", "--model", str(model), "--text-file", str(text), "--policy", policy, "--attn-implementation",
+            "flex_attention", "--task", "perplexity", "--tokens", "32", "--no-progress", "--out", str(tmp_path / "out")]
+    capsys.readouterr()  # saving the model prints a progress bar
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "set_attn_implementation('sdpa')" in err and len(err.splitlines()) == 1, err

@@ -270,6 +270,17 @@ class FP8Storage(Storage):
         tensors = (self.payload, self.scales, self.residual_values, self.residual_slots)
         return sum(t.nbytes for t in tensors if t is not None)
 
+    def bytes_held(self, tokens: int) -> int:
+        """Payload and scales of ``tokens`` slots, plus the native copies of the residual in use."""
+        if self.payload is None:
+            return 0
+        _, batch, heads, _, head_dim = self.payload.shape
+        held = tokens * 2 * batch * heads * (head_dim + 1)  # a byte per element, a scale byte per vector
+        if self.residual:
+            native = 2 * head_dim * self.residual_values.element_size() + self.residual_slots.element_size()
+            held += min(tokens, self.residual) * batch * heads * native
+        return held
+
     # --- the residual ------------------------------------------------------------------
     def _remember(self, slots: SlotIndex, fresh: torch.Tensor, unwritten: bool) -> None:
         """Keep native copies of what was just written.
