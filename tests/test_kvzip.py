@@ -13,6 +13,7 @@ from test_scored import SCHEDULES, naive_eviction, run_cache
 from tiny_models import char_tokenizer, random_ids, save_tiny_model, tiny_gemma3, tiny_llama, tiny_qwen3
 
 from hf_kvpolicies import FullCache, KVzipCache, from_spec
+from hf_kvpolicies.retention.layer_budgets import adaptive_budgets, busiest_head_budgets
 
 TOKENIZER = char_tokenizer()
 BUDGET, RECENT = 10, 3
@@ -104,6 +105,17 @@ def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_th
         expected = torch.cat([best.sort(dim=-1).values, torch.arange(40 - RECENT, 40).expand(1, 2, RECENT)], dim=-1)
         assert torch.equal(layer.retention.kept_positions(), expected)
         assert layer.storage.capacity == budget + 1  # each layer's storage is sized to its own budget
+
+
+def test_busiest_head_budgets_by_hand():
+    one_head_layer = torch.tensor([[[0.9, 0.8, 0.7, 0.6], [0.0, 0.0, 0.0, 0.0]]])  # [row, head, token]
+    spread_layer = torch.tensor([[[0.5, 0.4, 0.05, 0.05], [0.45, 0.35, 0.05, 0.05]]])
+    # the best 4 x 2 scores: layer 0's first head wins 4, layer 1's heads 2 each -> shares 4 : 2 of 4 spare
+    assert busiest_head_budgets([one_head_layer, spread_layer], reserve=[1, 1], total=6) == [4, 2]
+    assert adaptive_budgets([one_head_layer, spread_layer], reserve=[1, 1], total=6) == [3, 3]  # normalised sums
+    protected = one_head_layer.clone()
+    protected[..., -1] = float("-inf")  # protected tokens and pads never compete, even with room to spare
+    assert busiest_head_budgets([protected, spread_layer], reserve=[1, 1], total=20) == [4, 4]
 
 
 @pytest.mark.parametrize("layer_budgets", ["uniform", "adaptive"])

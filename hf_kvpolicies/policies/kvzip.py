@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from ..masks import CACHE_KWARGS, decoder_of
 from ..reconstruction import DEFAULT_CHUNK, RepeatPrompt, check_reconstructable, reconstruction_scores
 from ..retention.kvzip import KVzipRetention
+from ..retention.layer_budgets import busiest_head_budgets
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import LayerBudgets, ScoredCache
@@ -27,8 +28,9 @@ class KVzipCache(ScoredCache):
     receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps, per
     row and KV head, its ``recent`` newest tokens plus the best-scoring others, ``budget`` in all:
     the rest is freed, and the storage holds ``budget + 1`` slots per layer from then on.
-    ``layer_budgets="adaptive"`` (the paper's choice) lets the layers' tokens compete for the
-    total, ``"uniform"`` gives every layer ``budget``, ``"pyramid"`` more to lower layers.
+    ``layer_budgets="adaptive"`` (the paper's choice) lets the tokens of every layer and head
+    compete for the total, raw, and sizes each layer for its most demanding head;
+    ``"uniform"`` gives every layer ``budget``, ``"pyramid"`` more to lower layers.
 
     Decoding then evicts one token per row and head per step: a kept token's score can only grow
     with the attention later queries give it (the maximum, as for the reconstruction), and a new
@@ -40,6 +42,10 @@ class KVzipCache(ScoredCache):
     beams reorder the scores. Models with sliding-window layers, and attention whose queries
     cannot be rebuilt, are refused at construction.
     """
+
+    adaptive_rule = staticmethod(busiest_head_budgets)
+    """KVzip ranks raw reconstruction scores of every layer and head together; a layer is sized
+    for the head that wins most (its heads share one slot count)."""
 
     def __init__(
         self,

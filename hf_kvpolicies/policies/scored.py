@@ -43,6 +43,9 @@ class ScoredCache(PolicyCache):
 
     defer_every_prefill = False
     """True in a subclass whose every over-budget forward needs the cache-level step (KVzip)."""
+    adaptive_rule = staticmethod(adaptive_budgets)
+    """How ``layer_budgets="adaptive"`` shares the total (normalised scores of all layers compete;
+    KVzip sizes layers by their busiest head instead: :func:`~hf_kvpolicies.retention.layer_budgets.busiest_head_budgets`)."""
 
     def __init__(
         self,
@@ -94,7 +97,7 @@ class ScoredCache(PolicyCache):
         if self.layer_budgets == "adaptive" and len(waiting) == len(self.scored_layers()):
             reserve = [max(1, retention.protected) for retention in retentions]
             candidates = [retention.candidate_scores() for retention in retentions]
-            budgets = adaptive_budgets(candidates, reserve, sum(budgets))
+            budgets = self.adaptive_rule(candidates, reserve, sum(budgets))
         for layer, budget in zip(waiting, budgets):
             layer.retention.defers_trim = self.defer_every_prefill
             layer.retention.finish(layer.storage, budget)

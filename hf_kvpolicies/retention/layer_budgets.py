@@ -53,6 +53,33 @@ def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: 
     return [min(limit, r + c) for limit, r, c in zip(limits, reserve, counts)]
 
 
+def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int) -> list[int]:
+    """Each layer's budget when raw scores compete at the level of heads (KVzip's ranking).
+
+    KVzip ranks the scores of every (layer, KV head, token) together, unnormalised (they are
+    attention probabilities, comparable across layers), and lets each head keep what it wins.
+    A layer's heads share one slot count here (one tensor per layer), so the layer is sized for
+    its most demanding head: the best ``total - sum(reserve)`` tokens per (row, head) of all
+    layers are chosen together, and each layer's share of them is proportional to the most any
+    of its (row, KV head) won; each layer also keeps its ``reserve``. Same total.
+    ``candidates`` as in :func:`adaptive_budgets`.
+    """
+    batch, heads = candidates[0].shape[:2]
+    spare = max(0, total - sum(reserve))
+    everything = torch.cat([scores.flatten() for scores in candidates])
+    chosen = everything.topk(min(spare * batch * heads, everything.numel())).indices
+    chosen = chosen[torch.isfinite(everything[chosen])]
+    sizes = torch.tensor([scores.shape[-1] for scores in candidates], device=chosen.device)
+    bounds = torch.cat([sizes.new_zeros(1), (sizes * batch * heads).cumsum(0)])
+    layer = torch.bucketize(chosen, bounds[1:], right=True)
+    row_head = (chosen - bounds[layer]) // sizes[layer]
+    won = torch.zeros(len(candidates), batch * heads, dtype=torch.long, device=chosen.device)
+    won.index_put_((layer, row_head), torch.ones_like(chosen), accumulate=True)
+    busiest = [int(n) for n in won.amax(dim=1)]  # plain ints: decided once per prompt, on the host
+    counts = _apportion([float(n) for n in busiest], spare)
+    return [min(int(size), r + c) for size, r, c in zip(sizes, reserve, counts)]
+
+
 def _apportion(shares: list[float], total: int) -> list[int]:
     """Integers summing to ``total`` (largest remainders), proportional to ``shares``."""
     scale = total / sum(shares) if sum(shares) > 0 else 0.0
