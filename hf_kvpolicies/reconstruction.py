@@ -65,12 +65,12 @@ class RepeatPrompt:
 
         return cls(encode(FIRST_INSTRUCTION), encode(LATER_INSTRUCTION), encode(answer_opening(tokenizer)), overlap)
 
-    def chunks(self, ids: Sequence[int], chunk: int) -> list[tuple[int, list[int]]]:
-        """``(start, prompt ids)`` for each chunk of ``ids`` (one row's real tokens)."""
+    def chunks(self, ids: Sequence[int], chunk: int) -> list[list[int]]:
+        """The reconstruction prompt of each chunk of ``ids`` (one row's real tokens)."""
         prompts = []
         for start in range(0, len(ids), chunk):
             instruction = list(self.first) if start == 0 else [*self.later, *ids[max(0, start - self.overlap) : start]]
-            prompts.append((start, [*instruction, *self.suffix, *ids[start : start + chunk]]))
+            prompts.append([*instruction, *self.suffix, *ids[start : start + chunk]])
         return prompts
 
 
@@ -187,7 +187,7 @@ def reconstruction_scores(
     replay = ReplayCache(layers_kv)
     decoder = decoder_of(model)
     for index in range(max(len(prompts) for prompts in per_row)):
-        chunk_prompts = [prompts[index][1] if index < len(prompts) else [] for prompts in per_row]
+        chunk_prompts = [prompts[index] if index < len(prompts) else [] for prompts in per_row]
         ids, query_mask, positions = _left_padded(chunk_prompts, [len(ids) for ids in rows])
         key_mask = torch.cat([real, query_mask], dim=1)
         uniform = bool(key_mask.all())
