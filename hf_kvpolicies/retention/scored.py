@@ -347,8 +347,8 @@ class ScoredRetention(Retention):
             positions = torch.cat([old_positions, new_positions], dim=-1)
             scores = torch.cat([old_scores, old_scores.new_zeros(batch, heads, q)], dim=-1)
             extra = {n: torch.cat([t, t.new_zeros(*t.shape[:-1], q)], dim=-1) for n, t in old_extra.items()}
-        else:
-            all_keys, all_values, positions = keys, values, new_positions
+        else:  # contiguous as a cache's own buffers are: attention and scoring run faster on them
+            all_keys, all_values, positions = keys.contiguous(), values.contiguous(), new_positions
             scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
             extra = self.extra_state(batch, heads, q, keys.device)
         seen = self._attended(all_keys, keys, all_keys.shape[-2] - q, query, scaling, positions)
