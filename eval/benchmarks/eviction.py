@@ -128,7 +128,7 @@ def targets(results: dict[str, Contender], contexts: list[int], prefill_column: 
     """One line per target of the issue, with the figures it rests on."""
     window = results["window"].figures
     lines = []
-    for name in [*SCORED, "kvzip"]:
+    for name in [*SCORED, "kvzip", *VARIANTS]:
         if name not in results:
             continue
         figures = results[name].figures
