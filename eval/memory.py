@@ -1,7 +1,9 @@
 """Memory along a stream: the cache's own footprint, and the peak memory the process paid.
 
-Two figures, because they answer different questions: ``get_memory_footprint()`` is exact and
-deterministic (the bytes of every tensor the cache holds, capacity included); the peak is
+Three figures, because they answer different questions: :func:`held_bytes` is the keys and values
+of the tokens kept (the figure to compare policies on, whatever the allocation);
+``get_memory_footprint()`` is the bytes allocated (every tensor the cache holds, spare capacity
+and bookkeeping included: what the user pays); the peak is
 what decoding at the end of the stream really needs above the memory in use before the cache
 existed (the cache, dequantised copies, score buffers, a step's activations, allocator slack).
 On CUDA the peak is ``max_memory_allocated``; on the CPU it is the highest resident set size
@@ -21,6 +23,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from hf_kvpolicies.cache import PolicyCache
+
 
 def footprint(cache: Cache) -> int:
     """Bytes held by a cache: ours report it; transformers' caches are summed tensor by tensor
@@ -28,6 +32,16 @@ def footprint(cache: Cache) -> int:
     if hasattr(cache, "get_memory_footprint"):
         return cache.get_memory_footprint()
     return sum(t.nbytes for layer in cache.layers for t in _tensors(vars(layer).values()))
+
+
+def held_bytes(cache: Cache) -> int | None:
+    """Bytes of the keys and values of the tokens a cache holds, spare capacity excluded: each
+    layer's storage asked for the bytes of the tokens its retention keeps. The figure to take
+    ratios on, since allocation policy (a buffer that grows by doubling) is not what a policy
+    keeps; ``None`` for caches that are not ours (their footprint is all we can read)."""
+    if not isinstance(cache, PolicyCache):
+        return None
+    return sum(layer.storage.bytes_held(layer.retention.stored) for layer in cache.layers)
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -141,14 +155,20 @@ class MemoryTrace:
         self.stride = stride
         self.positions: list[int] = []
         self.bytes: list[int] = []
+        """Bytes allocated (:func:`footprint`) at each position."""
+        self.held: list[int | None] = []
+        """Bytes of the tokens held (:func:`held_bytes`) at each position."""
 
     def observe(self, tokens: int) -> None:
         if not self.positions or tokens - self.positions[-1] >= self.stride:
-            self.positions.append(tokens)
-            self.bytes.append(footprint(self.cache))
+            self._sample(tokens)
 
     def finish(self, tokens: int) -> None:
-        """Record the final footprint whatever the stride."""
+        """Record the final figures whatever the stride."""
         if not self.positions or self.positions[-1] != tokens:
-            self.positions.append(tokens)
-            self.bytes.append(footprint(self.cache))
+            self._sample(tokens)
+
+    def _sample(self, tokens: int) -> None:
+        self.positions.append(tokens)
+        self.bytes.append(footprint(self.cache))
+        self.held.append(held_bytes(self.cache))

@@ -82,3 +82,25 @@ def test_decode_peak_continues_the_stream_one_token_at_a_time():
     peak = decode_peak(model, cache, random_ids(1, 1), steps=5, since=before)
     assert cache.get_seq_length() == 39 + 5
     assert peak.source == "sampled RSS"
+
+
+def test_bytes_held_count_the_tokens_kept_and_not_the_capacity():
+    """Hand-computed: tiny Llama, 2 layers, 2 KV heads of 16 dims, float32."""
+    from hf_kvpolicies import FP8Cache
+
+    from eval.memory import held_bytes
+
+    model = tiny_llama()
+    ids = random_ids(1, 301)
+    native = 2 * 2 * 16 * 4  # keys and values, 2 heads, 16 dims, 4 bytes: per token per layer
+    for cache, tokens in ((FullCache(model), 300), (SlidingWindowCache(model, window=16), 16)):
+        trace = MemoryTrace(cache)
+        streaming_nll(model, ids, cache, chunk_size=50, observer=trace.observe)
+        assert trace.held[-1] == held_bytes(cache) == 2 * tokens * native
+        assert trace.bytes[-1] == footprint(cache) >= trace.held[-1]
+    assert footprint(FullCache(model)) == 0 and held_bytes(DynamicCache(config=model.config)) is None
+    cache = FP8Cache(model, residual=8)
+    streaming_nll(model, ids, cache, chunk_size=50)
+    payload = 2 * 2 * (16 + 1)  # an fp8 byte per element and an E8M0 scale byte, keys and values, 2 heads
+    residual = 8 * 2 * (2 * 16 * 4 + 8)  # 8 native tokens per head and the slot each shadows
+    assert held_bytes(cache) == 2 * (300 * payload + residual)

@@ -75,6 +75,11 @@ class Storage(ABC):
     def nbytes(self) -> int:
         """Bytes of every persistent tensor held, allocated capacity included."""
 
+    @abstractmethod
+    def bytes_held(self, tokens: int) -> int:
+        """Bytes that ``tokens`` kept tokens occupy, spare capacity excluded: what a comparison of
+        policies should divide (a buffer that doubles when full would otherwise count up to 2x)."""
+
 
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Broadcast a slot index to ``like``'s ``[batch, heads, q, head_dim]`` for gather/scatter."""

@@ -297,6 +297,17 @@ class FP8Storage(Storage):
         tensors = (self.payload, self.scales, self.residual_values, self.residual_slots)
         return sum(t.nbytes for t in tensors if t is not None)
 
+    def bytes_held(self, tokens: int) -> int:
+        """Payload and scales of ``tokens`` slots, plus the native copies of the residual in use."""
+        if self.payload is None:
+            return 0
+        batch, heads, _, width = self.payload.shape
+        held = tokens * batch * heads * (width + self.scales.shape[-1])  # a byte per element, one per scale
+        if self.residual:
+            native = width * self.residual_values.element_size() + self.residual_slots.element_size()
+            held += min(tokens, self.residual) * batch * heads * native
+        return held
+
     # --- keys and values side by side --------------------------------------------------
     def _quantise(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., key_dim + value_dim]`` as payload bytes and ``[..., 2]`` scale codes."""

@@ -62,3 +62,9 @@ class NativeStorage(Storage):
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+    def bytes_held(self, tokens: int) -> int:
+        if self.keys is None:
+            return 0
+        per_slot = sum(t.shape[0] * t.shape[1] * t.shape[3] * t.element_size() for t in (self.keys, self.values))
+        return tokens * per_slot

@@ -1,0 +1,184 @@
+"""Eviction benchmark: every eviction policy at one budget, side by side, plus a needle task.
+
+    flock /tmp/kvp-bench.lock python -m eval.benchmarks.eviction [--budget 256] [--needle-cases 40]
+
+One process, the embedded model and text. For the sliding window (the baseline of the ratios),
+FullCache, sink and every scored policy at ``--budget`` kept tokens per layer (each built with
+its class's ``budget_parameters``): decode ms/token and MiB at each context (1K and 4K tokens),
+streaming perplexity over ``--ppl-tokens`` tokens, and prefill seconds of a ``--prefill-tokens``
+prompt in one forward (the policies take turns, ``--rounds`` rounds, median). Then the needle
+task: RULER's single needle (a 7-digit number, ``eval.recall``) in prompts of 1,024 and 2,048
+tokens with the question at the end, prefilled at once and answered greedily; exact matches and
+the fraction of the number's digits right (position by position) for ``NEEDLE_POLICIES``.
+
+A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
+``NEEDLE_POLICIES`` for the needle task); a policy with one keyword changed joins ``VARIANTS``
+(KVzip with uniform layer budgets). The needle table also gives the bytes each cache holds
+after its longest answer (``eval.memory.held_bytes``). KVzip's prefill includes its
+reconstruction pass: its ratio to FullCache is stated, with no target.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+import torch
+
+from hf_kvpolicies import (
+    FullCache,
+    H2OCache,
+    KNormCache,
+    KVzipCache,
+    SinkCache,
+    SlidingWindowCache,
+    SnapKVCache,
+    TOVACache,
+)
+from hf_kvpolicies.cache import PolicyCache
+
+from ..data import embedded_text, tokenize
+from ..memory import held_bytes
+from ..recall import make_case, score_answer
+from ..speed import prefill
+from .runner import Contender, arguments, run
+
+POLICIES: dict[str, type[PolicyCache]] = {
+    "window": SlidingWindowCache,
+    "full": FullCache,
+    "sink": SinkCache,
+    "h2o": H2OCache,
+    "snapkv": SnapKVCache,
+    "tova": TOVACache,
+    "knorm": KNormCache,
+    "kvzip": KVzipCache,
+}
+"""Every contender by name, the baseline (window) first; bounded ones take ``budget_parameters``."""
+VARIANTS: dict[str, tuple[str, dict]] = {"kvzip-uniform": ("kvzip", {"layer_budgets": "uniform"})}
+"""Contenders that are a policy with keywords changed: name -> (policy, keywords)."""
+SCORED = ("h2o", "snapkv", "tova", "knorm")
+"""The scored policies whose prefill has a target (<= SPEED_RATIO x FullCache's); KVzip's is stated."""
+NEEDLE_POLICIES = ["full", "window", "h2o", "snapkv", "kvzip", "kvzip-uniform"]
+NEEDLE_LENGTHS = (1024, 2048)
+SPEED_RATIO = 1.3  # decode vs the sliding window at the same budget; prefill vs FullCache
+FLAT_RATIO = 1.05  # decode at the longest vs the shortest context
+
+
+def contender(name: str, budget: int) -> Contender:
+    base, keywords = VARIANTS.get(name, (name, {}))
+    policy = POLICIES[base]
+    parameters = {**(policy.budget_parameters(budget) or {}), **keywords}
+    label = name if not parameters else f"{name} " + ",".join(f"{k}={v}" for k, v in parameters.items())
+    return Contender(label, lambda model: policy(model, **parameters))
+
+
+@torch.no_grad()
+def prefill_seconds(model, ids: torch.Tensor, contenders: list[Contender], rounds: int) -> None:
+    """Median seconds to prefill ``ids`` in one forward, the contenders taking turns each round."""
+    import time
+
+    times: dict[str, list[float]] = {c.label: [] for c in contenders}
+    prefill(model, ids[:, :64], FullCache(model))  # warm-up
+    for _ in range(rounds):
+        for c in contenders:
+            cache = c.make(model)
+            start = time.perf_counter()
+            prefill(model, ids, cache, chunk=ids.shape[1])
+            times[c.label].append(time.perf_counter() - start)
+    for c in contenders:
+        c.figures[f"prefill s @{ids.shape[1]}"] = statistics.median(times[c.label])
+
+
+def digits_right(answer: str, expected: str) -> float:
+    """Fraction of ``expected``'s digits that the answer's first number has at the same place."""
+    found = re.search(r"\d+", answer)
+    got = found.group(0) if found else ""
+    return sum(a == b for a, b in zip(got, expected)) / len(expected)
+
+
+@torch.no_grad()
+def needle_scores(model, tokenizer, contenders: list[Contender], cases: int, haystack: torch.Tensor) -> list[str]:
+    """Exact matches and digit accuracy of each contender over ``cases`` needle prompts."""
+    per_length = max(1, cases // len(NEEDLE_LENGTHS))
+    prompts = [
+        make_case(tokenizer, haystack, "niah_single", length=length, depth=(seed + 0.5) / per_length, seed=seed)
+        for length in NEEDLE_LENGTHS
+        for seed in range(per_length)
+    ]
+    header = [f"exact @{n}" for n in NEEDLE_LENGTHS] + ["digits right", f"MiB held @{max(NEEDLE_LENGTHS)}"]
+    lines = ["| policy | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for c in contenders:
+        exact = {n: 0 for n in NEEDLE_LENGTHS}
+        digits, held = [], 0
+        for case in prompts:
+            ids = torch.cat([case.context_ids, case.question_ids], dim=1).to(model.device)
+            cache = c.make(model)
+            out = model.generate(ids, cache=cache, max_new_tokens=case.answer_tokens, do_sample=False)
+            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            exact[case.length] += score_answer(answer, case.expected) == 1.0
+            digits.append(digits_right(answer, case.expected[0]))
+            if case.length == max(NEEDLE_LENGTHS):
+                held = max(held, held_bytes(cache) or 0)
+        cells = [f"{exact[n]}/{per_length}" for n in NEEDLE_LENGTHS] + [f"{100 * statistics.mean(digits):.0f}%", f"{held / 2**20:.2f}"]
+        lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def targets(results: dict[str, Contender], contexts: list[int], prefill_column: str | None) -> list[str]:
+    """One line per target of the issue, with the figures it rests on."""
+    window = results["window"].figures
+    lines = []
+    for name in [*SCORED, "kvzip", *VARIANTS]:
+        if name not in results:
+            continue
+        figures = results[name].figures
+        for context in contexts:
+            ratio = figures[f"ms/token @{context}"] / window[f"ms/token @{context}"]
+            lines.append(f"{name} decode @{context} / window: {ratio:.2f}x ({'met' if ratio <= SPEED_RATIO else 'MISSED'}, <= {SPEED_RATIO})")
+        if len(contexts) > 1:
+            flat = figures[f"ms/token @{max(contexts)}"] / figures[f"ms/token @{min(contexts)}"]
+            memory = {figures[f"MiB @{c}"] for c in contexts}
+            lines.append(
+                f"{name} decode {max(contexts)} vs {min(contexts)}: {flat:.3f}x ({'met' if flat <= FLAT_RATIO else 'MISSED'}, "
+                f"<= {FLAT_RATIO}); memory {'constant' if len(memory) == 1 else 'NOT constant'} ({', '.join(f'{m:.3f}' for m in sorted(memory))} MiB)"
+            )
+        if prefill_column:
+            ratio = figures[prefill_column] / results["full"].figures[prefill_column]
+            verdict = f"{'met' if ratio <= SPEED_RATIO else 'MISSED'}, <= {SPEED_RATIO}" if name in SCORED else "stated: the reconstruction pass"
+            lines.append(f"{name} {prefill_column} / full: {ratio:.2f}x ({verdict})")
+    return lines
+
+
+def main() -> None:
+    from hf_kvpolicies.models import load_model
+
+    parser = arguments(__doc__.splitlines()[0], contexts=(1024, 4096))
+    parser.add_argument("--budget", type=int, default=256, help="tokens kept per layer by every bounded cache")
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill timing (0: skip)")
+    parser.add_argument("--needle-cases", type=int, default=40, help="needle prompts, split over 1K and 2K (0: skip)")
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES), help="subset of the contenders (window first)")
+    parser.add_argument("--needle-policies", nargs="*", default=NEEDLE_POLICIES, help="contenders of the needle task")
+    args = parser.parse_args()
+    contexts = sorted(args.contexts)
+    names = ["window"] + [name for name in args.policies if name != "window"]
+    contenders = [contender(name, args.budget) for name in names]
+    results = dict(zip(names, run(contenders, args.ppl_tokens, contexts, steps=args.steps, model_name=args.model, rounds=args.rounds)))
+    model, tokenizer = load_model(args.model)
+    column = None
+    if args.prefill_tokens:
+        ids = tokenize(tokenizer, embedded_text(), args.prefill_tokens)
+        prefill_seconds(model, ids, contenders, args.rounds)
+        column = f"prefill s @{args.prefill_tokens}"
+        print("\n" + "\n".join(f"| {c.label} | {c.figures[column]:.2f} s |" for c in contenders))
+    if {"window", "full"} <= set(names):
+        print("\n" + "\n".join(targets(results, contexts if args.steps else [], column)))
+    if args.needle_cases:
+        haystack = tokenize(tokenizer, embedded_text()[-200_000:])
+        chosen = [name for name in args.needle_policies if VARIANTS.get(name, (name,))[0] in names]
+        needles = [contender(name, args.budget) for name in chosen]
+        print(f"\nneedle (niah_single, 7 digits, question at the end, prefilled at once), budget {args.budget}:")
+        print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack)))
+
+
+if __name__ == "__main__":
+    main()

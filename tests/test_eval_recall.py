@@ -1,0 +1,123 @@
+"""The RULER-style recall suite: seeded generators, needles where stated, RULER's scorer."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+from tiny_models import char_tokenizer
+
+from eval.data import embedded_text, tokenize
+from eval.recall import SNAP, TASKS, make_case, parse_task, score_answer
+
+NEEDLE_TASKS = [task for task in TASKS if task != "cwe"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def haystack(tokenizer):
+    return tokenize(tokenizer, embedded_text()[:40_000])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_cases_are_deterministic_per_seed_and_exactly_as_long_as_asked(tokenizer, haystack, task):
+    a, b = (make_case(tokenizer, haystack, task=task, length=1500, depth=0.4, seed=3) for _ in range(2))
+    assert a.context_ids.equal(b.context_ids) and a.question_ids.equal(b.question_ids) and a.expected == b.expected
+    assert a.context_ids.shape[1] + a.question_ids.shape[1] == 1500
+    others = {make_case(tokenizer, haystack, task=task, length=1500, depth=0.4, seed=s).expected for s in range(4, 8)}
+    assert len(others | {a.expected}) > 1  # the seed, not a constant, picks the answers
+
+
+@pytest.mark.parametrize("task", NEEDLE_TASKS)
+@pytest.mark.parametrize("depth", [0.0, 0.35, 1.0])
+def test_needles_land_at_the_stated_depth_and_hold_the_expected_strings(tokenizer, haystack, task, depth):
+    case = make_case(tokenizer, haystack, task=task, length=1200, depth=depth, seed=1)
+    context = case.context_ids[0]
+    text = tokenizer.decode(context)
+    room = context.shape[0] - len(case.needles) - sum(n.end - n.start - 1 for n in case.needles)
+    for needle in case.needles:
+        assert tokenizer.decode(context[needle.start : needle.end]) == needle.text
+        assert text.count(needle.text) == 1
+    holding = [needle for needle in case.needles if any(item in needle.text for item in case.expected)]
+    for item in case.expected:  # each expected string is in the needles, nowhere else in the context
+        inside = sum(needle.text.count(item) for needle in case.needles)
+        assert inside >= 1 and text.count(item) == inside, item
+    first = holding[0] if task != "vt" else case.needles[0]  # vt: the chain starts at the depth
+    assert abs(first.depth - depth) <= SNAP / room
+    if task in ("niah_multivalue", "niah_multiquery"):  # every value asked for sits at the depth
+        assert all(abs(needle.depth - depth) <= SNAP / room for needle in holding)
+    if task == "vt":
+        assert [n.depth for n in case.needles] == sorted(n.depth for n in case.needles)
+
+
+def test_needles_sit_on_sentence_boundaries_where_the_text_has_them(tokenizer, haystack):
+    for seed in range(5):
+        case = make_case(tokenizer, haystack, task="niah_single", length=1500, depth=0.5, seed=seed)
+        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
+        assert before.rstrip(" ").endswith((".", "!", "?", "\n")), before[-40:]
+
+
+@pytest.mark.parametrize("value, pattern", [("number", r"\d{7}"), ("word", r"[a-z]{4,10}"), ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")])
+def test_value_types(tokenizer, haystack, value, pattern):
+    case = make_case(tokenizer, haystack, task="niah_single", length=1200, seed=0, value=value)
+    assert re.fullmatch(pattern, case.expected[0])
+    assert f"special magic {value} for" in tokenizer.decode(case.question_ids[0])
+
+
+def test_multi_needle_tasks_have_their_counts(tokenizer, haystack):
+    multikey = make_case(tokenizer, haystack, task="niah_multikey", length=1500, seed=0, keys=5)
+    assert len(multikey.needles) == 5 and len(multikey.expected) == 1
+    keys = {re.search(r"for (\S+) is", n.text).group(1) for n in multikey.needles}
+    assert len(keys) == 5
+    multivalue = make_case(tokenizer, haystack, task="niah_multivalue", length=1500, seed=0, values=3)
+    assert len(multivalue.expected) == 3 and len({re.search(r"for (\S+) is", n.text).group(1) for n in multivalue.needles}) == 1
+    multiquery = make_case(tokenizer, haystack, task="niah_multiquery", length=1500, seed=0, queries=3)
+    question = tokenizer.decode(multiquery.question_ids[0])
+    assert len(multiquery.expected) == 3 and all(re.search(r"for (\S+) is", n.text).group(1) in question for n in multiquery.needles)
+    vt = make_case(tokenizer, haystack, task="vt", length=1500, seed=0, hops=3)
+    assert len(vt.expected) == 4 and vt.needles[0].text.endswith(tokenizer.decode(vt.question_ids[0]).split("value ")[1].split(" ")[0] + ".")
+    for before, after in zip(vt.needles, vt.needles[1:]):  # each link assigns the variable before it
+        assert after.text.endswith(re.search(r"VAR (\w+) =", before.text).group(1) + ".")
+
+
+def test_common_words_are_exactly_the_most_frequent(tokenizer, haystack):
+    case = make_case(tokenizer, haystack, task="cwe", length=2000, seed=0, words=5, common_freq=8, rare_freq=2)
+    entries = Counter(re.findall(r"^\d+\. (\w+)$", tokenizer.decode(case.context_ids[0]), flags=re.MULTILINE))
+    assert len(case.expected) == 5 and all(entries[word] == 8 for word in case.expected)
+    assert set(entries.values()) == {8, 2} and len(entries) > 20
+    with pytest.raises(ValueError, match="at least .* tokens"):
+        make_case(tokenizer, haystack, task="cwe", length=300, seed=0)
+
+
+@pytest.mark.parametrize(
+    "answer, expected, score",
+    [
+        (" 1234567.", ("1234567",), 1.0),
+        (" 123456", ("1234567",), 0.0),
+        (" 1234567, 7654321 and more", ("7654321", "1234567", "1111111"), 2 / 3),
+        ("Answer: ALPHA BETA", ("alpha", "beta"), 1.0),
+        ("", ("x",), 0.0),
+    ],
+)
+def test_scorer_is_rulers_fraction_of_expected_strings(answer, expected, score):
+    assert score_answer(answer, expected) == pytest.approx(score)
+
+
+def test_bad_tasks_options_and_lengths_say_what_to_do(tokenizer, haystack):
+    assert parse_task("niah_single:value=uuid") == ("niah_single", {"value": "uuid"})
+    assert parse_task("vt:hops=2") == ("vt", {"hops": 2})
+    with pytest.raises(ValueError, match="choose one of"):
+        parse_task("ruler")
+    with pytest.raises(ValueError, match="valid options are value, keys"):
+        make_case(tokenizer, haystack, task="niah_multikey", hops=2)
+    with pytest.raises(ValueError, match="must be one of number, word, uuid"):
+        parse_task("niah_single:value=date")
+    with pytest.raises(ValueError, match="at least"):
+        make_case(tokenizer, haystack, task="niah_single", length=100)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        make_case(tokenizer, haystack, depth=1.5)
