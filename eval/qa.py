@@ -40,7 +40,7 @@ def load_samples(name: str, limit: int | None = None) -> list[dict]:
     """``[{"context", "input", "answers"}]`` from ``longbench:SUBSET`` or a JSONL path."""
     try:
         if name.startswith(PREFIX):
-            rows = _load(LONGBENCH, name.removeprefix(PREFIX), split="test", trust_remote_code=False)
+            rows = _load(LONGBENCH, name.removeprefix(PREFIX), split="test")
         else:
             if not Path(name).is_file():
                 raise DataError(f"--dataset {name!r} does not exist: pass a JSONL file of {{context, input, answers}} rows")
