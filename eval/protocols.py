@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from hf_kvpolicies import parse_spec
 from hf_kvpolicies.cache import PolicyCache
+from hf_kvpolicies.model_layout import layer_layouts
 from hf_kvpolicies.specs import policy_constructor
 
 from .memory import footprint, held_bytes
@@ -33,6 +34,19 @@ from .stream import feed
 
 PROTOCOLS = ("streamed", "prefill", "context")
 DEFAULT_PROTOCOLS = ("streamed", "prefill")
+
+
+def check_protocol(model: PreTrainedModel, protocol: str) -> None:
+    """``ValueError`` for a protocol this harness cannot run exactly on ``model``: the context
+    protocol decodes from a frozen ``DynamicCache`` whose keys are not at their positions' indices,
+    which transformers' sliding-window masks assume (Gemma 3, Mistral with a window)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+    if protocol == "context" and any(layout.is_sliding for layout in layer_layouts(model)):
+        raise ValueError(
+            "the context protocol cannot run on a model with sliding-window layers (its decode masks "
+            "would hide the kept tokens): use --protocol streamed or prefill"
+        )
 
 
 def protocol_independent(spec: str) -> bool:
@@ -78,8 +92,7 @@ def answer(
 ) -> Answers:
     """Greedy answers to ``[batch, n]`` contexts followed by ``[batch, m]`` questions (rows of
     equal lengths) under ``protocol``; ``chunk`` tokens per forward under ``streamed``."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+    check_protocol(model, protocol)
     cache = make_cache()
     context, question = context.to(model.device), question.to(model.device)
     prompt = torch.cat([context, question], dim=1)

@@ -30,7 +30,7 @@ from .perplexity import curve, perplexity, streaming_nll
 from .records import RESULTS, append_record, environment, identity, locked, read_records
 from .report import write_report
 from .speed import speed_profile
-from .protocols import DEFAULT_PROTOCOLS, answer, protocol_independent
+from .protocols import DEFAULT_PROTOCOLS, answer, check_protocol, protocol_independent
 from .qa import describe, exact_match, is_qa_dataset, load_samples, make_qa_case, token_f1
 from .recall import TASKS as RECALL_TASKS
 from .recall import make_case, parse_task, score_answer
@@ -265,6 +265,11 @@ def _run_jobs(settings, jobs, base, device, dtype, text, samples, results) -> No
     model, tokenizer = _model(settings, device, dtype)
     tasks = {job.task for job in jobs}
     ids = _ids(settings, tokenizer, text, tasks)
+    for protocol in {job.protocol for job in jobs} - {None, "any"}:
+        try:
+            check_protocol(model, protocol)
+        except ValueError as error:
+            raise UsageError(f"--protocol {protocol}: {error}") from error
     for job in jobs:  # every constructor check before the first long run
         if job.task != "qa" or job.run.ratio is None:
             _build(model, job.run.spec(_context_of(job, settings)))

@@ -71,6 +71,16 @@ def test_the_context_protocol_keeps_the_question_and_answer_outside_the_budget(m
     assert streamed.kept_tokens == 10 and streamed.fed_tokens == 72  # the question counts against the budget there
 
 
+def test_the_context_protocol_is_refused_on_sliding_window_models(tokenizer):
+    from tiny_models import tiny_gemma3
+
+    model = tiny_gemma3()
+    ids = random_ids(1, 20)
+    with pytest.raises(ValueError, match="sliding-window layers .* use --protocol streamed or prefill"):
+        answer(model, tokenizer, ids, ids[:, :4], lambda: from_spec(model, "full"), "context", 2)
+    assert len(answer(model, tokenizer, ids, ids[:, :0], lambda: from_spec(model, "window:window=6"), "prefill", 2).texts) == 1
+
+
 def test_which_policies_the_protocol_cannot_change():
     assert protocol_independent("full")
     assert not protocol_independent("fp8")  # fp8 storage: a prefill attends to native keys, a stream to its own
