@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -280,11 +281,12 @@ def _run_jobs(settings, jobs, base, device, dtype, text, samples, results) -> No
     haystack = _haystack(settings, tokenizer, text) if recall else None
     for job in recall:
         _check_case(settings, tokenizer, haystack, job)
+    case_of = lru_cache(maxsize=None)(lambda task, length, depth, seed: _case(tokenizer, haystack, task, length, depth, seed))
     _warm_up(model, ids)
     environment_fields = environment()
     bar = tqdm(total=len(jobs), disable=not settings.progress, desc="runs", unit="run")
     for unit in _units(jobs):
-        for job, record in _measure(settings, model, tokenizer, ids, haystack, samples, unit):
+        for job, record in _measure(settings, model, tokenizer, ids, case_of, samples, unit):
             record.update(_key(base, job, settings), **_sweep_fields(job), policy_index=job.index, **environment_fields)
             record["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             append_record(results, record)
@@ -320,7 +322,7 @@ def _policy_fields(cache, spec: str, swept: int | None) -> dict:
     }
 
 
-def _measure(settings, model, tokenizer, ids, haystack, samples, unit):
+def _measure(settings, model, tokenizer, ids, case_of, samples, unit):
     """Yield ``(job, record)`` for the jobs of one unit as each finishes."""
     first = unit[0]
     spec = first.run.spec(_context_of(first, settings))
@@ -370,7 +372,7 @@ def _measure(settings, model, tokenizer, ids, haystack, samples, unit):
     if first.task == "qa":
         yield first, _qa(settings, model, tokenizer, samples, first, fields)
     elif first.length is not None:
-        yield from _recall(settings, model, tokenizer, haystack, unit, make, fields)
+        yield from _recall(settings, model, tokenizer, case_of, unit, make, fields)
 
 
 def _protocol_fields(job: Job, settings: Settings) -> dict:
@@ -379,18 +381,18 @@ def _protocol_fields(job: Job, settings: Settings) -> dict:
     return {"protocol_ran": ran, "protocols": stands_for, "protocol_independent": job.protocol == "any"}
 
 
-def _recall(settings, model, tokenizer, haystack, jobs, make, fields):
+def _recall(settings, model, tokenizer, case_of, jobs, make, fields):
     """Every (depth, seed) cell of the recall tasks of ``jobs`` (one length, one protocol); prompts
-    of equal lengths share forwards (at most :data:`BATCH` rows). Yields ``(job, record)`` per task."""
+    of equal lengths share forwards (at most :data:`BATCH` rows). Yields ``(job, record)`` per task.
+    ``case_of(task, length, depth, seed)`` gives the cases, generated once per process."""
     start = time.perf_counter()
     first = jobs[0]
     protocol = _protocol_fields(first, settings)
     ran = protocol["protocol_ran"]
     cases = []
     for job in jobs:
-        name, options = parse_task(job.task)
-        depths = settings.depths if name != "cwe" else settings.depths[:1]  # a list of words has no depth
-        cases += [(job, make_case(tokenizer, haystack, name, job.length, d, s, **options)) for d in depths for s in settings.seeds]
+        depths = settings.depths if parse_task(job.task)[0] != "cwe" else settings.depths[:1]  # a list of words has no depth
+        cases += [(job, case_of(job.task, job.length, depth, seed)) for depth in depths for seed in settings.seeds]
     chunk, approximate = resolve_chunk(make(), model, settings.chunk_size) if ran == "streamed" else (1, False)
     groups: dict[int, list] = {}
     for job, case in cases:  # the context protocol splits prompts where the question starts
@@ -522,10 +524,14 @@ def _haystack(settings: Settings, tokenizer, text: str) -> torch.Tensor:
         return tokenize(tokenizer, text)
 
 
+def _case(tokenizer, haystack, task: str, length: int, depth: float, seed: int):
+    name, options = parse_task(task)
+    return make_case(tokenizer, haystack, name, length, depth, seed, **options)
+
+
 def _check_case(settings: Settings, tokenizer, haystack, job: Job) -> None:
-    name, options = parse_task(job.task)
     try:
-        make_case(tokenizer, haystack, name, job.length, settings.depths[0], settings.seeds[0], **options)
+        _case(tokenizer, haystack, job.task, job.length, settings.depths[0], settings.seeds[0])
     except ValueError as error:
         raise UsageError(f"--task {job.task} at --lengths {job.length}: {error}") from error
 
