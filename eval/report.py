@@ -360,7 +360,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 
 def _style(i: int) -> dict:
     """Marker and line style as well as colour, so that lines survive grayscale printing."""
-    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[(i // len(MARKERS)) % len(LINESTYLES)], "markersize": 4}
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)], "markersize": 5 + i % 3}
 
 
 def moving_average(values: list[float], window: int = 5) -> list[float]:
@@ -492,6 +492,11 @@ def _frontier_plot(table: Table, measure: Measure, path: Path) -> bool:
     left.set_xscale("log", base=2)
     right.set_xlabel("KV held per sequence (MiB, log scale)")
     right.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for axis in (left.xaxis, right.xaxis):  # plain numbers (64, 128; 2.8 MiB), not powers
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     for axes in (left, right):
         axes.set_ylabel(measure.ylabel)
         axes.grid(alpha=0.3, which="both")

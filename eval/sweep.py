@@ -72,7 +72,7 @@ class Settings:
     gguf_file: str | None = None
     dataset: str = EMBEDDED_TEXT
     text_file: str | None = None
-    tokens: int = 1024
+    tokens: int = 512
     chunk_size: int | None = None
     contexts: tuple[int, ...] = (512, 2048)
     steps: int = 16
