@@ -24,7 +24,7 @@ PROG = "hf-kvpolicies"
 EVAL_EXAMPLES = f"""\
 examples:
   # the default sweep: embedded SmolLM2-135M and text; full, FP8, and window/sink/H2O at budgets 64 and 128;
-  # perplexity, memory, speed and the recall suite (niah_single, niah_multikey, passkey) at 512 tokens, streamed and prefill
+  # perplexity, memory and the recall suite (niah_single, niah_multikey, passkey) at 512 tokens, streamed and prefill
   {PROG} eval --out results
   # the full frontier: every registered policy family at four budgets, three protocols, three seeds
   {PROG} eval --policy full --policy window --policy sink:positions=absolute --policy h2o --policy fp8 \\
