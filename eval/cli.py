@@ -12,15 +12,29 @@ from dataclasses import fields
 from pathlib import Path
 
 from .data import DATASETS, EMBEDDED_TEXT, DataError, check_dataset
+from .protocols import DEFAULT_PROTOCOLS, PROTOCOLS
+from .qa import is_qa_dataset
+from .recall import TASKS as RECALL_TASKS
+from .recall import parse_task
 from .records import RESULTS, read_records
 from .stream import DEFAULT_CHUNK
-from .sweep import DEFAULT_POLICIES, DTYPES, TASKS, Settings, UsageError
+from .sweep import DEFAULT_POLICIES, DEFAULT_TASKS, DTYPES, MEASURES, Settings, UsageError
 
 PROG = "hf-kvpolicies"
 EVAL_EXAMPLES = f"""\
 examples:
-  # the default sweep: embedded SmolLM2-135M and text, full/window/sink/h2o/fp8, every task
+  # the default sweep: embedded SmolLM2-135M and text; full, FP8, and window/sink/H2O at budgets 64 and 128;
+  # perplexity, memory and the recall suite (niah_single, niah_multikey, passkey) at 512 tokens, streamed and prefill
   {PROG} eval --out results
+  # the full frontier: every registered policy family at four budgets, three protocols, three seeds
+  {PROG} eval --policy full --policy window --policy sink:positions=absolute --policy h2o --policy fp8 \\
+      --budgets 64 128 256 512 --lengths 1024 2048 --seeds 0 1 2 --protocol streamed --protocol prefill --protocol context \\
+      --task perplexity --task memory --task niah_single --task niah_multikey --task niah_multivalue \\
+      --task niah_multiquery --task vt --task cwe --out results-frontier
+  # fractions of the context kept instead of budgets, kvpress's protocol
+  {PROG} eval --ratios 0.5 0.25 0.125 --protocol context --task niah_single --out results-ratios
+  # long-document QA from a local JSONL of {{context, input, answers}} (or --dataset longbench:qasper with the Hub)
+  {PROG} eval --dataset qa.jsonl --task qa --out results-qa
   # fast mode: perplexity only, 4,000 tokens, 512 per forward (exact for these two policies)
   {PROG} eval --policy full --policy "sink:sink_tokens=4,window=1020,positions=absolute" --task perplexity --tokens 4000 --chunk-size 512
   # a Hub model on a GPU, on WikiText-2
@@ -32,6 +46,7 @@ examples:
 
 policy specs are NAME[:key=value,...] with the constructor's keywords, e.g. "window:window=256",
 "h2o:heavy=128,recent=128", "sink:sink_tokens=4,window=252,positions=cache", "full:storage=fp8".
+A bare spec ("window") is swept over --budgets; a spec that sets its budget keeps it.
 """
 
 
@@ -66,10 +81,50 @@ def _fraction(text: str) -> float:
 
 
 def _dataset(text: str) -> str:
+    if is_qa_dataset(text):
+        return text
     try:
         return check_dataset(text)
     except DataError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _ratio(text: str) -> float:
+    value = _fraction(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("must be a fraction in (0, 1], got 0")
+    return value
+
+
+def _task(text: str) -> str:
+    if text in MEASURES or text == "qa":
+        return text
+    try:
+        parse_task(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; or one of {', '.join(MEASURES)}, qa") from None
+    return text
+
+
+def _check_loading_options(args: argparse.Namespace) -> None:
+    """``--attn-implementation`` and ``--device-map`` checked before the model loads, so that a
+    bad value is blamed on the option, not on the model."""
+    from transformers import AttentionInterface
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    name = args.attn_implementation
+    if name is not None and name not in known and "/" not in name:  # "/": a kernel from the Hub
+        raise UsageError(f"--attn-implementation {name!r} is not an attention implementation: choose one of {', '.join(known)}")
+    device_map = args.device_map
+    if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        import torch
+
+        try:
+            torch.device(device_map)
+        except RuntimeError:
+            raise UsageError(
+                f"--device-map {device_map!r} is neither a strategy (auto, balanced, balanced_low_0, sequential) nor a device (cpu, cuda, cuda:1)"
+            ) from None
 
 
 def build_parser() -> Parser:
@@ -87,22 +142,28 @@ def build_parser() -> Parser:
     run.add_argument("--model", default=defaults.model, help="embedded name (smollm2-135m, gemma3-270m), Hub id or local folder (default: %(default)s); e.g. --model Qwen/Qwen2.5-0.5B")
     run.add_argument("--gguf-file", help="GGUF file inside --model to load, e.g. --gguf-file model-q8_0.gguf")
     source = run.add_mutually_exclusive_group()
-    source.add_argument("--dataset", type=_dataset, default=EMBEDDED_TEXT, help=f"text to evaluate on: {', '.join(DATASETS)} (default: {EMBEDDED_TEXT}, CPython's pydoc topics, offline; the others load from the Hub through datasets), e.g. --dataset wikitext2")
+    source.add_argument("--dataset", type=_dataset, default=EMBEDDED_TEXT, help=f"text to evaluate on: {', '.join(DATASETS)} (default: {EMBEDDED_TEXT}, CPython's pydoc topics, offline; the others load from the Hub through datasets), or a QA dataset for --task qa: longbench:SUBSET (THUDM/LongBench) or a JSONL file of {{context, input, answers}} rows, whose contexts are then the text; e.g. --dataset wikitext2, --dataset longbench:qasper")
     source.add_argument("--text-file", help="a local UTF-8 text file instead of --dataset (works offline), e.g. --text-file book.txt")
     run.add_argument("--policy", action="append", metavar="SPEC", help=f"policy spec, repeatable (default: {' '.join(DEFAULT_POLICIES)}); e.g. --policy full --policy window:window=512")
-    run.add_argument("--task", action="append", choices=TASKS, help="measurement, repeatable (default: all); e.g. --task perplexity --task memory")
+    run.add_argument("--task", action="append", type=_task, metavar="TASK", help=f"measurement, repeatable: {', '.join(MEASURES)}; a recall task ({', '.join(RECALL_TASKS)}; options as TASK:key=value, e.g. niah_single:value=uuid); qa (needs a QA --dataset). Default: {' '.join(DEFAULT_TASKS)}, plus qa on a QA dataset")
     run.add_argument("--tokens", type=_integer(2), default=defaults.tokens, help="tokens of the perplexity and memory stream (default: %(default)s); e.g. --tokens 4000")
-    run.add_argument("--chunk-size", type=_integer(1), help=f"tokens per forward in the stream and passkey prompts; exact (same result as 1) for full, window and sink positions=absolute, approximate and labelled so for the others (default: {DEFAULT_CHUNK} where exact, 1 elsewhere); e.g. --chunk-size 512")
+    run.add_argument("--chunk-size", type=_integer(1), help=f"tokens per forward in the stream and streamed prompts; exact (same result as 1) for full, window and sink positions=absolute, approximate and labelled so for the others (default: {DEFAULT_CHUNK} where exact, 1 elsewhere); e.g. --chunk-size 512")
     run.add_argument("--contexts", type=_integer(1), nargs="+", default=list(defaults.contexts), metavar="N", help="context lengths of the speed task (default: %(default)s); e.g. --contexts 1024 4096")
     run.add_argument("--steps", type=_integer(1), default=defaults.steps, help="timed decode steps per context (default: %(default)s); e.g. --steps 32")
-    run.add_argument("--passkey-lengths", type=_integer(1), nargs="+", default=list(defaults.passkey_lengths), metavar="N", help="passkey prompt lengths in tokens (default: %(default)s); e.g. --passkey-lengths 1024 4096")
-    run.add_argument("--passkey-depths", type=_fraction, nargs="+", default=list(defaults.passkey_depths), metavar="D", help="depths of the passkey in the filler, 0 = start, 1 = end (default: %(default)s); e.g. --passkey-depths 0 0.5 1")
+    run.add_argument("--lengths", type=_integer(1), nargs="+", default=list(defaults.lengths), metavar="N", help="recall prompt lengths in tokens, context and question (default: %(default)s); e.g. --lengths 1024 2048 4096")
+    run.add_argument("--depths", type=_fraction, nargs="+", default=list(defaults.depths), metavar="D", help="depths of the needles in the haystack, 0 = start, 1 = end (default: %(default)s); e.g. --depths 0 0.25 0.5 0.75 1")
+    run.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds), metavar="S", help="seeds of the recall cases: each seed is an independent sample; tables give mean +- 95%% bootstrap intervals over the cells (default: %(default)s); e.g. --seeds 0 1 2")
+    run.add_argument("--protocol", action="append", choices=PROTOCOLS, help=f"how the prompt meets the cache, repeatable: streamed (token by token or exact chunks), prefill (one forward, then trim), context (context prefilled and trimmed, question outside the budget, as kvpress) (default: {' '.join(DEFAULT_PROTOCOLS)}); e.g. --protocol context")
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--budgets", type=_integer(1), nargs="*", default=list(defaults.budgets), metavar="B", help="total kept tokens per layer at which each bounded policy without explicit budget parameters runs (each class maps a budget onto its parameters; a spec with them keeps them); none: no sweep (default: %(default)s); e.g. --budgets 64 128 256 512")
+    budget.add_argument("--ratios", type=_ratio, nargs="+", metavar="R", help="fractions of the context kept, instead of --budgets; e.g. --ratios 0.5 0.25 0.125")
+    run.add_argument("--qa-samples", type=_integer(1), default=defaults.qa_samples, help="QA samples evaluated (default: %(default)s); e.g. --qa-samples 100")
+    run.add_argument("--qa-max-tokens", type=_integer(32), default=defaults.qa_max_tokens, help="longest QA prompt; longer documents lose their middle, as LongBench truncates (default: %(default)s); e.g. --qa-max-tokens 4096")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device, help="where to run (default: %(default)s: cuda if available); e.g. --device cpu")
     run.add_argument("--dtype", choices=("auto", *DTYPES), default=defaults.dtype, help="model dtype (default: %(default)s: float32 on CPU, bfloat16 on CUDA); e.g. --dtype float16")
     run.add_argument("--device-map", help="spread a large model over the GPUs with accelerate, e.g. --device-map auto")
     run.add_argument("--attn-implementation", help="attention kernel of the model (default: the model's, sdpa); e.g. --attn-implementation eager")
     run.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's choice, one per core); on a busy shared machine 1 avoids OpenMP's spin-waiting, e.g. --threads 1")
-    run.add_argument("--seed", type=int, default=defaults.seed, help="seed of the passkey prompts (default: %(default)s); e.g. --seed 1")
     run.add_argument("--out", type=Path, default=defaults.out, help="output folder (default: %(default)s); e.g. --out results-gpu")
     run.add_argument("--no-progress", action="store_true", help="no progress bars, for logs and CI; e.g. --no-progress")
     report = commands.add_parser(
@@ -117,9 +178,12 @@ def build_parser() -> Parser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    """The sweep's settings from the options of the same names (lists become tuples)."""
+    """The sweep's settings from the options of the same names (lists become tuples; an option
+    left out keeps the default)."""
     named = {field.name: getattr(args, field.name) for field in fields(Settings) if field.name != "progress"}
-    values = {name: tuple(value) if isinstance(value, list) else value for name, value in named.items()}
+    values = {name: tuple(dict.fromkeys(value)) if isinstance(value, list) else value for name, value in named.items() if value is not None}
+    if args.ratios:
+        values["budgets"] = ()
     return Settings(**values, progress=not args.no_progress)
 
 
@@ -129,8 +193,9 @@ def _eval(args: argparse.Namespace) -> int:
     def note(message: str) -> None:
         print(message, file=sys.stderr)
 
+    _check_loading_options(args)
     policies = check_policies(args.policy) if args.policy else default_policies(note)
-    tasks = list(dict.fromkeys(args.task)) if args.task else list(TASKS)
+    tasks = list(dict.fromkeys(args.task)) if args.task else [*DEFAULT_TASKS, *(["qa"] if is_qa_dataset(args.dataset) else [])]
     if args.no_progress:
         _quiet_libraries()
     if args.threads is not None:

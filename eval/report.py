@@ -1,10 +1,18 @@
 """Tables (Markdown, CSV, LaTeX booktabs) and plots (PNG) from ``results.jsonl`` records alone.
 
-One row per policy (per setup: model, dataset, device, dtype, when a file holds several), in
-the order of the sweep; each task's latest record fills its columns. Every figure also comes
-as a ratio against the full cache of the same setup (the row whose spec is ``full``, else the
-first ``full:...`` one). Figures measured with approximate chunking say so in every output:
-a ``*`` on the cell, the task in the CSV's ``approximate`` column, ``(approx.)`` in the legend.
+One row per policy run (a spec at a budget or ratio; per setup: model, dataset, device, dtype,
+when a file holds several), in the order of the sweep; each task's latest record fills its
+columns. Every figure also comes as a ratio against the full cache of the same setup (the row
+whose spec is ``full``, else the first ``full:...`` one); memory ratios are taken on the bytes
+of the tokens held, the bytes allocated are shown beside them. Recall and QA cells give the
+mean and the half-width of a 95% bootstrap interval over the cells (:mod:`eval.stats`).
+Figures measured with approximate chunking say so in every output: a ``*`` on the cell, the
+task in the CSV's ``approximate`` column, ``(approx.)`` in the legend.
+
+Plots: perplexity by position (log scale, moving average, markers), memory along the stream
+(held and allocated), decode latency, and a frontier per quality measure (quality against
+budget or kept fraction, one line per family, unbounded caches as horizontal lines; and
+quality against the KV bytes held).
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .protocols import PROTOCOLS
+from .stats import RESAMPLES, Interval, bootstrap
 
 MIB = 2**20
 SETUP = ("model", "gguf_file", "dataset", "device", "dtype")
@@ -27,14 +38,41 @@ class Row:
     setup: tuple
     policy: str
     index: int
+    name: str = ""
+    """The run's label: the spec, and the budget or ratio it was swept at."""
     records: dict[str, dict] = field(default_factory=dict)
+    """The latest record of each stream measure (perplexity, memory, speed)."""
+    recall: dict[tuple[str, int, str], dict] = field(default_factory=dict)
+    """The latest record of each (recall task, length, protocol); a protocol-independent record
+    under each protocol it stands for."""
+    qa: dict[str, dict] = field(default_factory=dict)
+    """The latest QA record of each protocol."""
 
     def approximate(self, task: str) -> bool:
+        if task == "recall" or task.startswith("recall "):
+            protocol = task.partition(" ")[2]
+            return any(r.get("approximate") for (_, _, p), r in self.recall.items() if not protocol or p == protocol)
         return bool(self.records.get(task, {}).get("approximate"))
 
     def label(self, with_setup: bool = False, task: str | None = None) -> str:
-        text = self.policy + (" (approx.)" if task is not None and self.approximate(task) else "")
+        text = (self.name or self.policy) + (" (approx.)" if task is not None and self.approximate(task) else "")
         return f"{setup_label(self.setup)} | {text}" if with_setup else text
+
+    def any_record(self) -> dict:
+        return next(iter([*self.records.values(), *self.recall.values(), *self.qa.values()]), {})
+
+    @property
+    def budget(self) -> int | None:
+        """The most tokens a governed layer keeps (``None``: unbounded); for a bounded policy whose
+        budget is known only once it runs (fractions of the prompt), the tokens it kept."""
+        record = self.any_record()
+        if record.get("budget") is None and record.get("bounded"):
+            return record.get("kept_tokens")
+        return record.get("budget")
+
+    @property
+    def family(self) -> str:
+        return self.any_record().get("family") or self.policy.partition(":")[0]
 
 
 @dataclass(frozen=True)
@@ -43,6 +81,10 @@ class Column:
     task: str
     value: Callable[[Row], float | None]
     digits: int
+    interval: Callable[[Row], Interval | None] | None = None
+    """A 95% interval shown after the value (recall: bootstrap over the cells)."""
+    ratio: bool = True
+    """Whether the cell also shows the ratio to the full cache."""
 
 
 def setup_label(setup: tuple) -> str:
@@ -51,17 +93,56 @@ def setup_label(setup: tuple) -> str:
 
 
 def rows(records: list[dict]) -> list[Row]:
-    """Rows in sweep order (setup first seen, then the policy's index); later records win."""
+    """Rows in sweep order (setup first seen, then the run's index); later records win."""
     by_key: dict[tuple, Row] = {}
     setups: list[tuple] = []
     for record in records:
         setup = tuple(record.get(name) for name in SETUP)
         if setup not in setups:
             setups.append(setup)
-        key = (setup, record["policy"])
-        row = by_key.setdefault(key, Row(setup, record["policy"], record.get("policy_index", 0)))
-        row.records[record["task"]] = record
-    return sorted(by_key.values(), key=lambda row: (setups.index(row.setup), row.index, row.policy))
+        name = record.get("label", record["policy"])
+        row = by_key.setdefault((setup, name), Row(setup, record["policy"], record.get("policy_index", 0), name))
+        task = record["task"]
+        if task == "qa":
+            for protocol in record.get("protocols", [record.get("protocol")]):
+                row.qa[protocol] = record
+        elif "length" in record.get("params", {}):
+            for protocol in record.get("protocols", [record.get("protocol")]):
+                row.recall[(task, record["length"], protocol)] = record
+        else:
+            row.records[task] = record
+    return sorted(by_key.values(), key=lambda row: (setups.index(row.setup), row.index, row.name))
+
+
+def protocols_of(table_rows: list[Row]) -> list[str]:
+    found = {p for row in table_rows for (_, _, p) in row.recall} | {p for row in table_rows for p in row.qa}
+    return [p for p in PROTOCOLS if p in found]
+
+
+def recall_cells(row: Row, protocol: str, task: str | None = None, length: int | None = None) -> list[float]:
+    """The scores of every recall cell of a row under a protocol (of one task and length if given)."""
+    return [
+        cell["score"]
+        for (t, n, p), record in row.recall.items()
+        if p == protocol and task in (None, t) and length in (None, n)
+        for cell in record["cells"]
+    ]
+
+
+def _interval(cells: Callable[[Row], list[float]]) -> Callable[[Row], Interval | None]:
+    def interval(row: Row) -> Interval | None:
+        values = cells(row)
+        return bootstrap(values) if values else None
+
+    return interval
+
+
+def _mean_of(cells: Callable[[Row], list[float]]) -> Callable[[Row], float | None]:
+    def mean(row: Row) -> float | None:
+        values = cells(row)
+        return sum(values) / len(values) if values else None
+
+    return mean
 
 
 def baseline(candidates: list[Row]) -> Row | None:
@@ -90,10 +171,13 @@ def columns(table_rows: list[Row]) -> list[Column]:
     """The columns the records support: only tasks that were measured get theirs."""
     tasks = {task for row in table_rows for task in row.records}
     chosen = []
+    if any(row.budget is not None for row in table_rows):
+        chosen.append(Column("budget", "budget", lambda row: row.budget, 0, ratio=False))
     if "perplexity" in tasks:
         chosen.append(Column("PPL", "perplexity", _get("perplexity", "ppl"), 3))
     if "memory" in tasks:
-        chosen.append(Column("KV cache MiB", "memory", _get("memory", "footprint_bytes", MIB), 2))
+        chosen.append(Column("KV held MiB", "memory", _get("memory", "held_bytes", MIB), 2))
+        chosen.append(Column("KV allocated MiB", "memory", _get("memory", "footprint_bytes", MIB), 2, ratio=False))
         chosen.append(Column("peak MiB", "memory", _get("memory", "peak_memory_bytes", MIB), 1))
     if "speed" in tasks:
         contexts = sorted({c for row in table_rows if "speed" in row.records for c in row.records["speed"]["contexts"]})
@@ -103,8 +187,24 @@ def columns(table_rows: list[Row]) -> list[Column]:
             chosen.append(Column(f"decode ms @{context}", "speed", _get("speed", "median_ms", at=context), 2))
         chosen.append(Column(f"p90 ms @{largest}", "speed", _get("speed", "p90_ms", at=largest), 2))
         chosen.append(Column(f"tok/s @{largest}", "speed", _get("speed", "tokens_per_s", at=largest), 1))
-    if "passkey" in tasks:
-        chosen.append(Column("passkey acc", "passkey", _get("passkey", "accuracy"), 2))
+    for protocol in protocols_of(table_rows):
+        if any(p == protocol for row in table_rows for (_, _, p) in row.recall):
+            cells = lambda row, protocol=protocol: recall_cells(row, protocol)  # noqa: E731
+            chosen.append(Column(f"recall {protocol}", f"recall {protocol}", _mean_of(cells), 2, _interval(cells)))
+        if any(protocol in row.qa for row in table_rows):
+            for key, title in (("exact_match", "QA EM"), ("f1", "QA F1")):
+                cells = lambda row, protocol=protocol, key=key: [c[key] for c in row.qa[protocol]["cells"]] if protocol in row.qa else []  # noqa: E731
+                chosen.append(Column(f"{title} {protocol}", "qa", _mean_of(cells), 2, _interval(cells)))
+    return chosen
+
+
+def recall_columns(table_rows: list[Row]) -> list[Column]:
+    """One column per recall task, length and protocol (the detail behind the suite's mean)."""
+    keys = sorted({key for row in table_rows for key in row.recall}, key=lambda k: (PROTOCOLS.index(k[2]) if k[2] in PROTOCOLS else 9, k[1], k[0]))
+    chosen = []
+    for task, length, protocol in keys:
+        cells = lambda row, t=task, n=length, p=protocol: recall_cells(row, p, t, n)  # noqa: E731
+        chosen.append(Column(f"{task} @{length} {protocol}", f"recall {protocol}", _mean_of(cells), 2, _interval(cells)))
     return chosen
 
 
@@ -118,20 +218,25 @@ class Table:
     ratios: list[list[float | None]]
     with_setup: bool
     caption: str
+    intervals: list[list[Interval | None]]
 
 
-def summarize(records: list[dict]) -> Table:
+def summarize(records: list[dict], choose: Callable[[list[Row]], list[Column]] = columns) -> Table:
     table_rows = rows(records)
-    cols = columns(table_rows)
+    cols = choose(table_rows)
     values = [[column.value(row) for column in cols] for row in table_rows]
+    intervals = [[column.interval(row) if column.interval else None for column in cols] for row in table_rows]
     ratios = []
     for row, row_values in zip(table_rows, values):
         base = baseline([other for other in table_rows if other.setup == row.setup])
         base_values = values[table_rows.index(base)] if base is not None else [None] * len(cols)
-        ratios.append([_ratio(value, reference) for value, reference in zip(row_values, base_values)])
+        ratios.append([
+            _ratio(value, reference) if column.ratio else None
+            for value, reference, column in zip(row_values, base_values, cols)
+        ])
     setups = list(dict.fromkeys(row.setup for row in table_rows))
     has_base = any(baseline([row for row in table_rows if row.setup == setup]) for setup in setups)
-    return Table(cols, table_rows, values, ratios, len(setups) > 1, _caption(table_rows, setups, has_base))
+    return Table(cols, table_rows, values, ratios, len(setups) > 1, _caption(table_rows, setups, has_base, cols), intervals)
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
@@ -140,35 +245,44 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
-def _caption(table_rows: list[Row], setups: list[tuple], has_base: bool) -> str:
+def _caption(table_rows: list[Row], setups: list[tuple], has_base: bool, cols: list[Column]) -> str:
     parts = [setup_label(setup) for setup in setups] if len(setups) == 1 else []
     first = table_rows[0].records if table_rows else {}
     if "perplexity" in first:
         parts.append(f"{first['perplexity']['tokens']} tokens of streaming perplexity")
-    if "passkey" in first:
-        params = first["passkey"]["params"]
-        parts.append(f"passkey lengths {params['lengths']} x depths {params['depths']}")
+    if any(column.title == "KV held MiB" for column in cols):
+        parts.append("KV held = keys and values of the tokens kept, KV allocated = every tensor the cache holds (spare capacity and bookkeeping included); memory ratios are on bytes held")
+    recall = [row.recall for row in table_rows if row.recall]
+    if recall:
+        lengths = sorted({n for keys in recall for (_, n, _) in keys})
+        tasks = sorted({t for keys in recall for (t, _, _) in keys})
+        parts.append(f"recall = RULER string-match score, mean over the cells of {', '.join(tasks)} at {lengths} tokens")
+    if any(column.interval for column in cols):
+        parts.append(f"± = half-width of the 95% percentile-bootstrap interval over the cells ({RESAMPLES} resamples)")
     parts.append("(x) = ratio to the full cache" if has_base else "no full cache in the sweep, so no ratios")
     return "; ".join(parts)
 
 
-def _cell(value: float | None, ratio: float | None, digits: int, times: str, approximate: bool) -> str:
+def _cell(value: float | None, ratio: float | None, digits: int, times: str, approximate: bool, interval: Interval | None = None) -> str:
     if value is None:
         return ""
-    text = f"{value:.{digits}f}" + (MARK if approximate else "")
+    text = f"{value:.{digits}f}"
+    if interval is not None and interval.n > 1:
+        text += f" ± {interval.half_width:.{digits}f}"
+    text += MARK if approximate else ""
     return f"{text} ({ratio:.2f}{times})" if ratio is not None else text
 
 
 def _cells(table: Table, index: int, times: str) -> list[str]:
     row = table.rows[index]
     return [
-        _cell(value, ratio, column.digits, times, row.approximate(column.task))
-        for value, ratio, column in zip(table.values[index], table.ratios[index], table.columns)
+        _cell(value, ratio, column.digits, times, row.approximate(column.task), interval)
+        for value, ratio, column, interval in zip(table.values[index], table.ratios[index], table.columns, table.intervals[index])
     ]
 
 
 def _any_approximate(table: Table) -> bool:
-    return any(row.approximate(task) for row in table.rows for task in row.records)
+    return any(row.approximate(column.task) for row in table.rows for column in table.columns)
 
 
 def markdown(table: Table) -> str:
@@ -187,15 +301,23 @@ def csv_text(table: Table) -> str:
     header = ["model", "dataset", "device", "dtype", "policy", "approximate"]
     for column in table.columns:
         header += [column.title, f"{column.title} vs full"]
+        if column.interval:
+            header += [f"{column.title} ci95 low", f"{column.title} ci95 high"]
     writer.writerow(header)
-    for row, values, ratios in zip(table.rows, table.values, table.ratios):
+    for row, values, ratios, intervals in zip(table.rows, table.values, table.ratios, table.intervals):
         model, gguf, dataset, device, dtype = row.setup
-        approximate = ";".join(sorted(task for task in row.records if row.approximate(task)))
-        line = [model + (f"/{gguf}" if gguf else ""), dataset, device, dtype, row.policy, approximate]
-        for value, ratio in zip(values, ratios):
-            line += ["" if value is None else repr(round(value, 6)), "" if ratio is None else repr(round(ratio, 6))]
+        approximate = ";".join(sorted({column.task for column in table.columns if row.approximate(column.task)}))
+        line = [model + (f"/{gguf}" if gguf else ""), dataset, device, dtype, row.label(), approximate]
+        for value, ratio, interval, column in zip(values, ratios, intervals, table.columns):
+            line += [_number(value), _number(ratio)]
+            if column.interval:
+                line += [_number(interval.low if interval else None), _number(interval.high if interval else None)]
         writer.writerow(line)
     return buffer.getvalue()
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else repr(round(value, 6))
 
 
 _LATEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
@@ -211,7 +333,7 @@ def latex(table: Table) -> str:
     lines.append(" & ".join(["Policy", *[_tex(column.title) for column in table.columns]]) + r" \\")
     lines.append(r"\midrule")
     for index, row in enumerate(table.rows):
-        name = r"\texttt{" + _tex(row.policy) + "}"
+        name = r"\texttt{" + _tex(row.label()) + "}"
         if table.with_setup:
             name = _tex(setup_label(row.setup)) + ": " + name
         lines.append(" & ".join([name, *_cells(table, index, r"$\times$")]) + r" \\")
@@ -232,67 +354,184 @@ def _figure(width: float = 7.0, height: float = 4.2):
     return figure
 
 
-def _line_plot(table: Table, task: str, x: str, y: str, scale: float, xlabel: str, ylabel: str, path: Path) -> bool:
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _style(i: int) -> dict:
+    """Marker and line style as well as colour, so that lines survive grayscale printing."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)], "markersize": 5 + i % 3}
+
+
+def moving_average(values: list[float], window: int = 5) -> list[float]:
+    """Centred moving average (the window shrinks at the ends), so spikes of one bin do not dominate."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - half) : i + half + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def _perplexity_plot(table: Table, path: Path) -> bool:
+    plotted = [row for row in table.rows if "perplexity" in row.records]
+    if not plotted:
+        return False
+    figure = _figure()
+    axes = figure.add_subplot()
+    for i, row in enumerate(plotted):
+        record = row.records["perplexity"]
+        smooth = moving_average(record["curve_ppl"])
+        axes.plot(record["curve_positions"], smooth, label=row.label(table.with_setup, "perplexity"), markevery=max(1, len(smooth) // 8), **_style(i))
+    axes.set_yscale("log")
+    axes.set_xlabel("tokens")
+    axes.set_ylabel("perplexity per bin, moving average of 5 (log scale)")
+    axes.grid(alpha=0.3, which="both")
+    axes.legend(fontsize=7)
+    figure.savefig(path)
+    return True
+
+
+def _trace_plot(table: Table, task: str, x: str, series: list[tuple[str, str]], scale: float, xlabel: str, ylabel: str, path: Path) -> bool:
+    """One line per row and series (e.g. bytes held solid, allocated dotted), markers per row."""
     plotted = [row for row in table.rows if task in row.records]
     if not plotted:
         return False
     figure = _figure()
     axes = figure.add_subplot()
-    for row in plotted:
+    for i, row in enumerate(plotted):
         record = row.records[task]
-        marker = "o" if len(record[x]) <= 24 else None  # a chunked stream has one point per chunk
-        axes.plot(record[x], [value / scale for value in record[y]], label=row.label(table.with_setup, task), marker=marker, markersize=4)
+        style = _style(i)
+        for j, (key, name) in enumerate(series):
+            if record.get(key) is None or None in record[key]:
+                continue
+            style = {**style, "linestyle": LINESTYLES[j]}
+            label = row.label(table.with_setup, task) + (f" ({name})" if name else "")
+            axes.plot(record[x], [value / scale for value in record[key]], label=label, markevery=max(1, len(record[x]) // 8), **style)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7)
     figure.savefig(path)
     return True
 
 
-def _passkey_plot(table: Table, path: Path) -> bool:
-    plotted = [row for row in table.rows if "passkey" in row.records]
-    if not plotted:
+@dataclass(frozen=True)
+class Measure:
+    """A quality measure of the frontier plots: its name, its value for a row, its axis label."""
+
+    name: str
+    value: Callable[[Row], float | None]
+    ylabel: str
+    bytes_task: Callable[[Row], dict | None]
+    """The record whose ``held_bytes`` is that measure's memory."""
+
+
+def measures(table_rows: list[Row]) -> list[Measure]:
+    """Every quality measure the records hold: the perplexity ratio to full, each recall task and
+    the suite's mean under each protocol, QA F1 under each protocol."""
+    found = []
+    if any("perplexity" in row.records for row in table_rows):
+        def ppl_ratio(row: Row) -> float | None:
+            base = baseline([other for other in table_rows if other.setup == row.setup])
+            if "perplexity" not in row.records or base is None or "perplexity" not in base.records:
+                return None
+            return row.records["perplexity"]["ppl"] / base.records["perplexity"]["ppl"]
+
+        found.append(Measure("ppl_ratio", ppl_ratio, "perplexity / full cache's (lower is better)", lambda row: row.records.get("perplexity")))
+    for protocol in protocols_of(table_rows):
+        keys = sorted({(t, n) for row in table_rows for (t, n, p) in row.recall if p == protocol})
+        if keys:
+            found.append(Measure(
+                f"recall_mean_{protocol}", _mean_of(lambda row, p=protocol: recall_cells(row, p)),
+                f"recall suite mean, {protocol} (higher is better)",
+                lambda row, p=protocol: next((r for (_, _, q), r in row.recall.items() if q == p), None),
+            ))
+        for task in sorted({t for t, _ in keys}):
+            found.append(Measure(
+                f"{task}_{protocol}", _mean_of(lambda row, t=task, p=protocol: recall_cells(row, p, t)),
+                f"{task} score, {protocol} (higher is better)",
+                lambda row, t=task, p=protocol: next((r for (u, _, q), r in row.recall.items() if q == p and u == t), None),
+            ))
+        if any(protocol in row.qa for row in table_rows):
+            found.append(Measure(
+                f"qa_f1_{protocol}", lambda row, p=protocol: row.qa[p]["f1"] if p in row.qa else None,
+                f"QA token F1, {protocol} (higher is better)", lambda row, p=protocol: row.qa.get(p),
+            ))
+    return found
+
+
+def _frontier_plot(table: Table, measure: Measure, path: Path) -> bool:
+    """Quality against budget (or kept fraction) with one line per family and the unbounded caches
+    as horizontal lines, and quality against the KV bytes held, side by side."""
+    points = [(row, measure.value(row)) for row in table.rows]
+    points = [(row, value) for row, value in points if value is not None]
+    if not points:
         return False
-    figure = _figure(2.6 * len(plotted) + 1.2, 3.2)
-    image = None
-    for i, row in enumerate(plotted):
-        cells = row.records["passkey"]["cells"]
-        lengths = sorted({cell["length"] for cell in cells})
-        depths = sorted({cell["depth"] for cell in cells})
-        grid = [[_mean([c["correct"] for c in cells if c["length"] == n and c["depth"] == d]) for n in lengths] for d in depths]
-        axes = figure.add_subplot(1, len(plotted), i + 1)
-        image = axes.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-        for di, values in enumerate(grid):
-            for li, value in enumerate(values):
-                axes.text(li, di, f"{value:.0%}", ha="center", va="center", fontsize=8)
-        axes.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        axes.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-        axes.set_xlabel("context (tokens)")
-        if i == 0:
-            axes.set_ylabel("needle depth")
-        axes.set_title(row.label(table.with_setup, "passkey"), fontsize=8)
-    figure.colorbar(image, ax=figure.axes, label="accuracy")
+    by_fraction = any(row.any_record().get("ratio") is not None for row, _ in points)
+    figure = _figure(11.0, 4.2)
+    left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    families = list(dict.fromkeys((row.setup, row.family) for row, _ in points if row.budget is not None))
+    for i, (setup, family) in enumerate(families):
+        members = [(row, value) for row, value in points if row.budget is not None and (row.setup, row.family) == (setup, family)]
+        xs = [_frontier_x(row, measure, by_fraction) for row, _ in members]
+        line = sorted((x, value) for x, (_, value) in zip(xs, members) if x is not None)
+        label = family if not table.with_setup else f"{setup_label(setup)} | {family}"
+        if line:
+            left.plot([x for x, _ in line], [v for _, v in line], label=label, **_style(i))
+        held = sorted((_held_mib(measure, row), value) for row, value in members if _held_mib(measure, row) is not None)
+        if held:
+            right.plot([x for x, _ in held], [v for _, v in held], label=label, **_style(i))
+    for j, (row, value) in enumerate((row, value) for row, value in points if row.budget is None):
+        is_full = row is baseline([other for other in table.rows if other.setup == row.setup])
+        left.axhline(value, color="black" if is_full else "gray", linestyle="-" if is_full else LINESTYLES[1 + j % 3], linewidth=1.2, label=row.label(table.with_setup))
+        held = _held_mib(measure, row)
+        if held is not None:
+            right.plot([held], [value], linestyle="none", color="black" if is_full else "gray", marker="*" if is_full else "x", markersize=9, label=row.label(table.with_setup))
+    left.set_xlabel("kept fraction of the context (measured)" if by_fraction else "budget (tokens kept per layer)")
+    left.set_xscale("log", base=2)
+    right.set_xlabel("KV held per sequence (MiB, log scale)")
+    right.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for axis in (left.xaxis, right.xaxis):  # plain numbers (64, 128; 2.8 MiB), not powers
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    for axes in (left, right):
+        axes.set_ylabel(measure.ylabel)
+        axes.grid(alpha=0.3, which="both")
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7)
     figure.savefig(path)
     return True
 
 
-def _mean(values: list[bool]) -> float:
-    return sum(values) / len(values) if values else float("nan")
+def _frontier_x(row: Row, measure: Measure, by_fraction: bool) -> float | None:
+    if not by_fraction:
+        return row.budget
+    record = measure.bytes_task(row)
+    return None if record is None else record.get("kept_fraction")
+
+
+def _held_mib(measure: Measure, row: Row) -> float | None:
+    record = measure.bytes_task(row)
+    held = None if record is None else record.get("held_bytes")
+    return None if held is None else held / MIB
 
 
 def plots(table: Table, out: Path) -> list[Path]:
     made = []
-    specs = [
-        ("perplexity.png", "perplexity", "curve_positions", "curve_ppl", 1, "tokens", "perplexity (per bin)"),
-        ("memory.png", "memory", "footprint_positions", "footprint_trace", MIB, "tokens", "KV cache (MiB)"),
-        ("latency.png", "speed", "contexts", "median_ms", 1, "context (tokens)", "decode ms/token (median)"),
-    ]
-    for name, task, x, y, scale, xlabel, ylabel in specs:
-        if _line_plot(table, task, x, y, scale, xlabel, ylabel, out / name):
-            made.append(out / name)
-    if _passkey_plot(table, out / "passkey.png"):
-        made.append(out / "passkey.png")
+    if _perplexity_plot(table, out / "perplexity.png"):
+        made.append(out / "perplexity.png")
+    memory = [("held_trace", "held"), ("footprint_trace", "allocated")]
+    if _trace_plot(table, "memory", "footprint_positions", memory, MIB, "tokens", "KV cache (MiB): held solid, allocated dashed", out / "memory.png"):
+        made.append(out / "memory.png")
+    if _trace_plot(table, "speed", "contexts", [("median_ms", "")], 1, "context (tokens)", "decode ms/token (median)", out / "latency.png"):
+        made.append(out / "latency.png")
+    for measure in measures(table.rows):
+        path = out / f"frontier_{measure.name}.png"
+        if _frontier_plot(table, measure, path):
+            made.append(path)
     return made
 
 
@@ -303,11 +542,16 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_report(out: Path, records: list[dict]) -> str:
-    """Write ``summary.{md,csv,tex}`` and the plots into ``out``; return the Markdown table."""
+    """Write ``summary.{md,csv,tex}``, ``recall.{md,csv}`` (per task, length and protocol) and the
+    plots into ``out``; return the Markdown summary."""
     table = summarize(records)
     text = markdown(table)
     _write(out / "summary.md", text)
     _write(out / "summary.csv", csv_text(table))
     _write(out / "summary.tex", latex(table))
+    detail = summarize(records, recall_columns)
+    if detail.columns:
+        _write(out / "recall.md", markdown(detail))
+        _write(out / "recall.csv", csv_text(detail))
     plots(table, out)
     return text

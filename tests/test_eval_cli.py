@@ -21,7 +21,8 @@ from eval.records import RESULTS, VOLATILE, read_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = ["--tokens", "48", "--contexts", "16", "32", "--steps", "2", "--passkey-lengths", "260", "--passkey-depths", "0.1", "0.9", "--no-progress"]
+TINY = ["--tokens", "48", "--contexts", "16", "32", "--steps", "2", "--lengths", "420", "--depths", "0.1", "0.9", "--budgets", "--no-progress"]
+TASKS = ["--task", "perplexity", "--task", "memory", "--task", "speed", "--task", "passkey"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def cli(*args: str) -> int:
 def sweep(tiny, tmp_path_factory, one_thread):
     model, text = tiny
     out = tmp_path_factory.mktemp("sweep")
-    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16", *TINY, "--out", str(out)]
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16", *TINY, *TASKS, "--out", str(out)]
     assert cli(*args) == 0
     return out, args
 
@@ -54,9 +55,11 @@ def sweep(tiny, tmp_path_factory, one_thread):
 def test_sweep_writes_a_record_per_policy_and_task(sweep, tiny):
     out, _ = sweep
     records = read_records(out / RESULTS)
-    assert sorted((r["policy"], r["task"]) for r in records) == sorted(
-        (p, t) for p in ("full", "window:window=16") for t in ("perplexity", "memory", "speed", "passkey")
+    assert sorted((r["policy"], r["task"], r.get("protocol")) for r in records) == sorted(
+        [(p, t, None) for p in ("full", "window:window=16") for t in ("perplexity", "memory", "speed")]
+        + [("full", "passkey", "any"), ("window:window=16", "passkey", "streamed"), ("window:window=16", "passkey", "prefill")]
     )
+    assert all(r["governed_layers"] == 2 for r in records)
     for r in records:
         assert r["model"] == tiny[0] and r["dataset"].startswith("file:") and r["device"] == "cpu"
         assert r["dtype"] == "float32" and r["versions"]["transformers"] and "git_revision" in r
@@ -68,22 +71,28 @@ def test_sweep_writes_a_record_per_policy_and_task(sweep, tiny):
         logits = model(ids).logits[0, :-1]
     assert full["ppl"] == pytest.approx(math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))), rel=1e-4)
     window = next(r for r in records if r["policy"] == "window:window=16" and r["task"] == "memory")
-    assert window["kept_tokens"] == 16 and window["footprint_bytes"] < next(
-        r["footprint_bytes"] for r in records if r["policy"] == "full" and r["task"] == "memory"
-    )
-    passkey = next(r for r in records if r["task"] == "passkey")
-    assert [(c["length"], c["depth"]) for c in passkey["cells"]] == [(260, 0.1), (260, 0.9)]
-    for name in ("summary.md", "summary.csv", "summary.tex", "perplexity.png", "memory.png", "latency.png", "passkey.png"):
+    full_memory = next(r for r in records if r["policy"] == "full" and r["task"] == "memory")
+    assert window["kept_tokens"] == 16 and window["budget"] == 16 and window["kept_fraction"] == 16 / 47
+    assert window["held_bytes"] == 16 / 47 * full_memory["held_bytes"] and full_memory["held_bytes"] <= full_memory["footprint_bytes"]
+    passkey = next(r for r in records if r["task"] == "passkey" and r["policy"] == "full")
+    assert [(c["depth"], c["seed"]) for c in passkey["cells"]] == [(0.1, 0), (0.9, 0)] and passkey["length"] == 420
+    assert passkey["protocols"] == ["streamed", "prefill"] and passkey["protocol_independent"] is True
+    assert all(0 <= c["score"] <= 1 for c in passkey["cells"])
+    for name in ("summary.md", "summary.csv", "summary.tex", "recall.md", "perplexity.png", "memory.png", "latency.png", "frontier_passkey_streamed.png"):
         assert (out / name).stat().st_size > 0
 
 
 def test_report_rerenders_identical_tables(sweep):
     out, _ = sweep
-    tables = {name: (out / name).read_text() for name in ("summary.md", "summary.csv", "summary.tex")}
+    tables = {name: (out / name).read_text() for name in ("summary.md", "summary.csv", "summary.tex", "recall.md", "recall.csv")}
+    pictures = sorted(path.name for path in out.glob("*.png"))
     for name in tables:
         (out / name).unlink()
+    for path in out.glob("*.png"):
+        path.unlink()
     assert cli("report", str(out)) == 0
     assert {name: (out / name).read_text() for name in tables} == tables
+    assert sorted(path.name for path in out.glob("*.png")) == pictures
 
 
 def test_resume_skips_finished_runs(sweep, capsys):
@@ -98,7 +107,7 @@ def test_resume_skips_finished_runs(sweep, capsys):
     after = read_records(out / RESULTS)
     lost = [json.loads(line) for line in before[-2:]]
     assert len(after) == len(before)
-    assert [(r["policy"], r["task"]) for r in after[-2:]] == [(r["policy"], r["task"]) for r in lost]
+    assert [(r["policy"], r["task"], r.get("protocol")) for r in after[-2:]] == [(r["policy"], r["task"], r.get("protocol")) for r in lost]
 
 
 def test_chunked_h2o_is_labelled_approximate_everywhere(tiny, tmp_path):
@@ -111,7 +120,7 @@ def test_chunked_h2o_is_labelled_approximate_everywhere(tiny, tmp_path):
     assert (exact["chunk_size"], exact["approximate"]) == (1, False)
     assert (chunked["chunk_size"], chunked["approximate"]) == (8, True)
     ppl = f"{chunked['ppl']:.3f}*"
-    assert f"| h2o:heavy=4,recent=4 | {ppl} |" in (tmp_path / "chunked" / "summary.md").read_text()
+    assert f"| h2o:heavy=4,recent=4 | 8 | {ppl} |" in (tmp_path / "chunked" / "summary.md").read_text()
     assert "*" not in (tmp_path / "exact" / "summary.md").read_text().replace("_", "")
     assert '"h2o:heavy=4,recent=4",perplexity,' in (tmp_path / "chunked" / "summary.csv").read_text()
     assert ppl in (tmp_path / "chunked" / "summary.tex").read_text()
@@ -128,9 +137,16 @@ def test_chunked_h2o_is_labelled_approximate_everywhere(tiny, tmp_path):
         (["--tokens", "0"], "--tokens: must be an integer >= 2, got 0"),
         (["--tokens", "many"], "--tokens: must be an integer"),
         (["--text-file", "/no/such/file.txt"], "does not exist"),
-        (["--task", "nosuch"], "invalid choice"),
-        (["--passkey-lengths", "20"], "use at least"),
-        (["--passkey-depths", "2"], "in [0, 1]"),
+        (["--task", "nosuch"], "unknown recall task 'nosuch'"),
+        (["--task", "niah_single:keys=3"], "valid options are value"),
+        (["--task", "passkey", "--lengths", "20"], "use at least"),
+        (["--depths", "2"], "in [0, 1]"),
+        (["--protocol", "sideways"], "invalid choice"),
+        (["--ratios", "0"], "must be a fraction in (0, 1]"),
+        (["--budgets", "0"], "must be an integer >= 1"),
+        (["--task", "qa"], "needs a QA --dataset"),
+        (["--attn-implementation", "bogus"], "--attn-implementation 'bogus' is not an attention implementation"),
+        (["--device-map", "bogus"], "--device-map 'bogus' is neither a strategy"),
         (["--tokens", "100000"], "lower --tokens"),
     ],
 )
@@ -165,7 +181,7 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
     """``accelerate launch`` with 2 CPU processes splits the runs; the records match one process's."""
     model, text = tiny
     args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16",
-            "--policy", "window:window=8", *TINY, "--device", "cpu"]
+            "--policy", "window:window=8", *TINY, *TASKS, "--device", "cpu"]
     assert cli(*args, "--out", str(tmp_path / "one")) == 0  # one thread here, as in the launched processes
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -180,7 +196,7 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
             (json.dumps({k: v for k, v in r.items() if k not in VOLATILE}, sort_keys=True) for r in records)
         )
 
-    assert len(stable(tmp_path / "one")) == 12
+    assert len(stable(tmp_path / "one")) == 14  # 3 x 3 stream measures, recall once for full, twice per window
     assert stable(tmp_path / "two") == stable(tmp_path / "one")
 
     def rows(path):  # the report of the process that finished last holds every row, in sweep order
@@ -192,28 +208,94 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
 def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
     monkeypatch.setattr(sweep_module, "available_policies", lambda: ["full", "window"])
     notes = []
-    assert sweep_module.default_policies(notes.append) == ["full", "window:window=256"]
+    assert sweep_module.default_policies(notes.append) == ["full", "window"]
     assert len(notes) == 3 and all(note.startswith("note: skipping default policy") for note in notes)
     assert set(sweep_module.default_policies(lambda note: None)) <= set(sweep_module.DEFAULT_POLICIES)
 
 
-def test_every_default_policy_is_registered_and_builds(tiny):
+def test_every_default_policy_is_registered_and_builds_at_every_default_budget(tiny):
     """The defaults of the README's command, against what the library registers today."""
+    from eval.budgets import expand
+
     assert sweep_module.default_policies(pytest.fail) == list(sweep_module.DEFAULT_POLICIES)
     model = AutoModelForCausalLM.from_pretrained(tiny[0])
-    for spec in sweep_module.DEFAULT_POLICIES:
-        assert sweep_module._build(model, spec).get_seq_length() == 0
+    runs = expand(list(sweep_module.DEFAULT_POLICIES), sweep_module.DEFAULT_BUDGETS)
+    assert len(runs) == 2 + 3 * len(sweep_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
+    for run in runs:
+        assert sweep_module._build(model, run.spec(512)).get_seq_length() == 0
 
 
-def test_runs_are_dealt_round_robin_keeping_a_stream_together():
-    jobs = [sweep_module.Job(p, t, i) for i, p in enumerate("abc") for t in sweep_module.TASKS]
+def test_runs_are_dealt_round_robin_keeping_a_stream_and_a_length_together():
+    from eval.budgets import PolicyRun
+
+    settings = sweep_module.Settings(lengths=(100, 200), budgets=())
+    runs = [PolicyRun(spec) for spec in ("full", "window:window=8", "h2o:heavy=2,recent=2")]
+    jobs = sweep_module.jobs_of(settings, runs, ["perplexity", "memory", "speed", "niah_single", "vt"])
     units = sweep_module._units(jobs)
-    assert [[(j.policy, j.task) for j in unit] for unit in units[:3]] == [
-        [("a", "perplexity"), ("a", "memory")], [("a", "speed")], [("a", "passkey")]
+    described = [[(j.run.policy, j.task, j.length, j.protocol) for j in unit] for unit in units]
+    assert described[:4] == [
+        [("full", "perplexity", None, None), ("full", "memory", None, None)],
+        [("full", "speed", None, None)],
+        [("full", "niah_single", 100, "any"), ("full", "vt", 100, "any")],
+        [("full", "niah_single", 200, "any"), ("full", "vt", 200, "any")],
     ]
+    assert [("window:window=8", "niah_single", 100, "streamed"), ("window:window=8", "vt", 100, "streamed")] in described
+    assert len(units) == 4 + 2 * (2 + 2 * 2)  # full: one protocol; the bounded: two per length
     first, second = units[0::2], units[1::2]
     assert {j for unit in first + second for j in unit} == set(jobs)
-    assert len(first) == 5 and len(second) == 4
+
+
+def test_a_policy_that_governs_no_layer_is_refused(tiny, tmp_path, capsys):
+    """A run whose policy decides nothing would report the model's figures as the policy's."""
+    from hf_kvpolicies import SlidingWindowCache, register_policy
+
+    class Ungoverned(SlidingWindowCache):
+        def __init__(self, model, window: int = 4) -> None:
+            super().__init__(model, window=window)
+            self.governed = [False] * len(self.layers)
+
+    register_policy("ungoverned-test", Ungoverned, overwrite=True)
+    model, text = tiny
+    code = cli("eval", "--model", model, "--text-file", text, "--policy", "ungoverned-test", *TINY, "--task", "perplexity", "--out", str(tmp_path))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "governs none of the model's 2 layers" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / RESULTS).exists()
+
+
+def test_a_budget_sweep_records_budgets_and_kept_fractions(tiny, tmp_path):
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window", "--policy", "window:window=5",
+            *TINY[:-2], "--task", "perplexity", "--no-progress"]
+    assert cli(*args, "--budgets", "8", "16", "--out", str(tmp_path / "b")) == 0
+    records = {r["label"]: r for r in read_records(tmp_path / "b" / RESULTS)}
+    assert sorted(records) == ["full", "window @16", "window @8", "window:window=5"]
+    assert [(records[k]["spec"], records[k]["budget"], records[k]["kept_fraction"]) for k in ("window @8", "window @16", "window:window=5")] == [
+        ("window:window=8", 8, 8 / 47), ("window:window=16", 16, 16 / 47), ("window:window=5", 5, 5 / 47)
+    ]
+    assert records["full"]["budget"] is None and records["full"]["kept_fraction"] == 1.0
+    assert (tmp_path / "b" / "frontier_ppl_ratio.png").stat().st_size > 0
+    assert cli(*args, "--ratios", "0.25", "--out", str(tmp_path / "r")) == 0
+    ratio = next(r for r in read_records(tmp_path / "r" / RESULTS) if r["label"] == "window @0.25x")
+    assert ratio["spec"] == "window:window=12" and ratio["ratio"] == 0.25  # a quarter of the 48-token stream
+
+
+def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
+    model, _ = tiny
+    rows = [{"context": embedded_text()[i * 400 : i * 400 + 380], "input": f"What is item {i}?", "answers": [f"item {i}", "x"]} for i in range(3)]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    out = tmp_path / "out"
+    args = ["eval", "--model", model, "--dataset", str(data), "--policy", "full", "--policy", "window:window=16", "--task", "qa",
+            "--protocol", "streamed", "--protocol", "prefill", "--protocol", "context", "--qa-max-tokens", "300", "--budgets", "--no-progress"]
+    assert cli(*args, "--out", str(out)) == 0
+    records = read_records(out / RESULTS)
+    assert sorted((r["policy"], r["protocol"]) for r in records) == [
+        ("full", "any"), ("window:window=16", "context"), ("window:window=16", "prefill"), ("window:window=16", "streamed")
+    ]
+    for record in records:
+        assert record["dataset"].startswith("file:") and len(record["cells"]) == 3
+        assert record["f1"] == sum(c["f1"] for c in record["cells"]) / 3 and 0 <= record["exact_match"] <= record["f1"] + 1e-9
+    assert "QA F1 context" in (out / "summary.md").read_text()
 
 
 def test_cuda_is_refused_cleanly_without_a_gpu():

@@ -23,10 +23,12 @@ def sweep_records() -> list[dict]:
         [("full", 10.0, 8 * 2**20, 1.0, False), ("window:window=256", 15.0, 2**20, 0.5, False), ("h2o:heavy=2,recent=2", 12.5, 2**20, 0.75, True)]
     ):
         records.append(record(policy, "perplexity", index, ppl=ppl, tokens=100, approximate=approx, curve_positions=[50, 99], curve_ppl=[ppl, ppl]))
-        records.append(record(policy, "memory", index, footprint_bytes=kv, peak_memory_bytes=2 * kv, footprint_positions=[1, 99], footprint_trace=[kv, kv]))
+        records.append(record(policy, "memory", index, held_bytes=kv, footprint_bytes=2 * kv, peak_memory_bytes=2 * kv, footprint_positions=[1, 99], footprint_trace=[2 * kv, 2 * kv], held_trace=[kv, kv]))
         records.append(record(policy, "speed", index, contexts=[64, 128], prefill_ms=[5.0, 10.0], median_ms=[2.0, 4.0 / (index + 1)], p90_ms=[3.0, 5.0], tokens_per_s=[500.0, 250.0 * (index + 1)]))
-        cells = [{"length": n, "depth": d, "passkey": "12345", "answer": "", "correct": acc >= 0.5 + d} for n in (64, 128) for d in (0.0, 0.5)]
-        records.append(record(policy, "passkey", index, accuracy=acc, cells=cells, params={"lengths": [64, 128], "depths": [0.0, 0.5]}))
+        for length in (64, 128):
+            cells = [{"depth": d, "seed": 0, "score": float(acc >= 0.5 + d)} for d in (0.0, 0.5)]
+            protocols = ["streamed", "prefill"] if policy == "full" else ["prefill"]
+            records.append(record(policy, "passkey", index, cells=cells, length=length, protocols=protocols, held_bytes=kv, params={"length": length}))
     return records
 
 
@@ -59,10 +61,15 @@ def test_tables_carry_values_and_ratios_to_the_full_cache():
     table = summarize(sweep_records())
     assert [row.policy for row in table.rows] == ["full", "window:window=256", "h2o:heavy=2,recent=2"]
     text = markdown(table)
-    assert "| window:window=256 | 15.000 (1.50x) | 1.00 (0.12x) |" in text
+    assert "| window:window=256 | 15.000 (1.50x) | 1.00 (0.12x) | 2.00 | 2.0 (0.12x) |" in text  # no ratio on bytes allocated
     assert "| h2o:heavy=2,recent=2 | 12.500* (1.25x) | 1.00 (0.12x) |" in text  # only its PPL is approximate
     assert "\n* approximate: chunked forwards" in text
-    assert "decode ms @64" in text and "decode ms @128" in text and "| 0.50 (0.50x) |" in text
+    assert "decode ms @64" in text and "decode ms @128" in text
+    assert "| recall streamed | recall prefill |" in text
+    full = next(line for line in text.splitlines() if line.startswith("| full |"))
+    assert full.endswith("| 1.00 ± 0.00 (1.00x) | 1.00 ± 0.00 (1.00x) |")  # full stands for both protocols
+    assert "| 0.50 ± 0.50 (0.50x) |" in text  # window: half the cells, the bootstrap's 95% over 4 of them
+    assert "KV held = keys and values of the tokens kept" in text
     rows = list(csv.DictReader(io.StringIO(csv_text(table))))
     assert [row["policy"] for row in rows] == ["full", "window:window=256", "h2o:heavy=2,recent=2"]
     assert float(rows[1]["PPL"]) == 15.0 and float(rows[1]["PPL vs full"]) == 1.5
@@ -104,9 +111,13 @@ def test_later_record_of_a_run_wins_and_rows_keep_sweep_order():
 def test_write_report_makes_tables_and_plots(tmp_path):
     text = write_report(tmp_path, sweep_records())
     assert (tmp_path / "summary.md").read_text() == text
-    for name in ("summary.csv", "summary.tex", "perplexity.png", "memory.png", "latency.png", "passkey.png"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    assert (tmp_path / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+    made = sorted(path.name for path in tmp_path.glob("*.png"))
+    assert made == sorted([
+        "perplexity.png", "memory.png", "latency.png", "frontier_ppl_ratio.png",
+        "frontier_recall_mean_streamed.png", "frontier_passkey_streamed.png", "frontier_recall_mean_prefill.png", "frontier_passkey_prefill.png",
+    ])
+    assert (tmp_path / "frontier_ppl_ratio.png").read_bytes()[:4] == b"\x89PNG"
+    assert "passkey @64 prefill" in (tmp_path / "recall.md").read_text()
 
 
 def test_mixed_setups_get_their_own_rows():
@@ -123,3 +134,21 @@ def test_one_task_alone_renders(task, tmp_path):
     records = [r for r in sweep_records() if r["task"] == task]
     write_report(tmp_path, records)
     assert (tmp_path / "summary.md").read_text().count("\n|") == 5  # header, rule, 3 policies
+
+
+def test_bootstrap_intervals_on_known_cases():
+    from eval.stats import bootstrap
+
+    assert bootstrap([1.0] * 10) == bootstrap([1.0] * 10) and (bootstrap([1.0] * 10).low, bootstrap([1.0] * 10).high) == (1.0, 1.0)
+    coin = bootstrap([0.0, 1.0] * 50)  # a fair coin, 100 cells: the binomial half-width is 1.96 * 0.05 = 0.098
+    assert coin.mean == 0.5 and 0.085 < coin.half_width < 0.11 and coin.low < 0.5 < coin.high
+    assert str(bootstrap([0.25])) == "0.25" and bootstrap([0.25]).half_width == 0
+    with pytest.raises(ValueError):
+        bootstrap([])
+
+
+def test_moving_average_smooths_a_spike_and_keeps_a_constant():
+    from eval.report import moving_average
+
+    assert moving_average([2.0] * 6) == [2.0] * 6
+    assert moving_average([0, 0, 10, 0, 0], window=5) == [10 / 3, 2.5, 2.0, 2.5, 10 / 3]
