@@ -126,7 +126,7 @@ class ScoredRetention(Retention):
         return {}
 
     def selection_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """What a multi-token trim ranks by (the scores themselves by default)."""
+        """What evictions and trims rank by (the scores themselves unless the statistic smooths them)."""
         return scores
 
     def resolve(self, prompt: int) -> tuple[int, int]:
