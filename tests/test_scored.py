@@ -36,12 +36,8 @@ class SnapKVRule:
         for i, query in enumerate(range(start, stop)):
             state["rows"][query] = attention[:, :, :, i].sum(2)  # [batch, kv_heads, total]
 
-    def score(self, state, stop):
-        recent = [state["rows"][q] for q in range(max(0, stop - self.window), stop)]
-        return torch.stack(recent).sum(0)
-
     def selection(self, state, stop, b, h, candidates):
-        raw = self.score(state, stop)[b, h]
+        raw = torch.stack([state["rows"][q] for q in range(max(0, stop - self.window), stop)]).sum(0)[b, h]
         inside = [p for p in candidates if p <= stop - 1 - self.window]
         values = {p: float(raw[p]) for p in inside}
         order = sorted(candidates)
@@ -65,9 +61,6 @@ class TOVARule:
     def observe(self, state, attention, keys, start, stop):
         state["last"] = attention[:, :, :, -1].mean(2)
 
-    def score(self, state, stop):
-        return state["last"]
-
     def selection(self, state, stop, b, h, candidates):
         return {p: float(state["last"][b, h, p]) for p in candidates}
 
@@ -80,9 +73,6 @@ class KNormRule:
 
     def observe(self, state, attention, keys, start, stop):
         state["norm"] = keys.norm(dim=-1).reciprocal()
-
-    def score(self, state, stop):
-        return state["norm"]
 
     def selection(self, state, stop, b, h, candidates):
         return {p: float(state["norm"][b, h, p]) for p in candidates}
@@ -131,9 +121,9 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
                     others = [p for p in candidates if p not in protected]
                     if len(candidates) <= rule.budget:
                         chosen = candidates
-                    elif len(before) + length <= rule.budget + 1:  # written in place: evict one by the raw score
-                        raw = rule.score(state[i], stop)[b, h]
-                        victim = min(others, key=lambda p: (float(raw[p]), p))
+                    elif len(before) + length <= rule.budget + 1:  # written in place: evict one
+                        ranked = rule.selection(state[i], stop, b, h, candidates)
+                        victim = min(others, key=lambda p: (ranked[p], p))
                         chosen = [p for p in candidates if p != victim]
                     else:  # trimmed: the protected tokens plus the best by the selection scores
                         ranked = rule.selection(state[i], stop, b, h, candidates)

@@ -34,6 +34,7 @@ from hf_kvpolicies import (
     SlidingWindowCache,
     SnapKVCache,
     TOVACache,
+    from_spec,
 )
 from hf_kvpolicies.cache import PolicyCache
 
@@ -157,7 +158,8 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048, help="prompt of the prefill timing (0: skip)")
     parser.add_argument("--needle-cases", type=int, default=40, help="needle prompts, split over 1K and 2K (0: skip)")
     parser.add_argument("--policies", nargs="*", default=list(POLICIES), help="subset of the contenders (window first)")
-    parser.add_argument("--needle-policies", nargs="*", default=NEEDLE_POLICIES, help="contenders of the needle task")
+    parser.add_argument("--needle-specs", nargs="*", default=[], help="more needle contenders as specs, e.g. snapkv:budget=256,kernel=15")
+    parser.add_argument("--needle-policies", nargs="*", default=NEEDLE_POLICIES, help="needle contenders by name (budget applied)")
     args = parser.parse_args()
     contexts = sorted(args.contexts)
     names = ["window"] + [name for name in args.policies if name != "window"]
@@ -174,8 +176,9 @@ def main() -> None:
         print("\n" + "\n".join(targets(results, contexts if args.steps else [], column)))
     if args.needle_cases:
         haystack = tokenize(tokenizer, embedded_text()[-200_000:])
-        chosen = [name for name in args.needle_policies if VARIANTS.get(name, (name,))[0] in names]
+        chosen = [name for name in args.needle_policies if VARIANTS.get(name, (name,))[0] in POLICIES]
         needles = [contender(name, args.budget) for name in chosen]
+        needles += [Contender(spec, lambda model, spec=spec: from_spec(model, spec)) for spec in args.needle_specs]
         print(f"\nneedle (niah_single, 7 digits, question at the end, prefilled at once), budget {args.budget}:")
         print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack)))
 

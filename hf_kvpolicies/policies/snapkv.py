@@ -24,7 +24,7 @@ class SnapKVCache(ScoredCache):
 
     Decoding (which the paper leaves uncompressed) evicts one token per step by the same
     statistic kept up to date: the window slides with the stream, scores are the attention from
-    the ``window`` most recent queries (unpooled), and the ``window`` newest tokens stay (see
+    the ``window`` most recent queries, pooled as at the prefill, and the ``window`` newest tokens stay (see
     :mod:`hf_kvpolicies.retention.snapkv`). Needs ``sdpa`` or ``eager`` attention.
     """
 

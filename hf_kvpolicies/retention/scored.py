@@ -8,9 +8,9 @@ Layout, per row and KV head: ``budget + 1`` slots holding their own set of posit
 positions and scores are ``[batch, kv_heads, slots]`` and writes address
 ``LongTensor[batch, kv_heads, 1]`` slots. While the cache fills, tokens append. Once ``budget``
 tokens are kept, a decode step writes its token *in place* into the free slot, attention reads
-every slot (the kept tokens and the new one), the statistic updates the scores, and the
-lowest-scoring token outside the ``protected`` newest positions is evicted: its slot becomes the
-free slot of the next step. All of this stays on the device; the host keeps only plain ints.
+every slot (the kept tokens and the new one), the statistic updates the scores, and the token
+ranked lowest (by ``selection_scores``, the scores unless the statistic smooths them) outside the
+``protected`` newest positions is evicted: its slot becomes the free slot of the next step. All of this stays on the device; the host keeps only plain ints.
 
 A multi-token forward that does not fit (a prompt longer than the budget, a later chunk) is
 attended in full (kept tokens, then the new ones, under causal attention), scored (in query
@@ -126,7 +126,7 @@ class ScoredRetention(Retention):
         return {}
 
     def selection_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """What a multi-token trim ranks by (the scores themselves by default)."""
+        """What evictions and trims rank by (the scores themselves unless the statistic smooths them)."""
         return scores
 
     def resolve(self, prompt: int) -> tuple[int, int]:
@@ -255,7 +255,7 @@ class ScoredRetention(Retention):
         extra = {name: t[..., : self.live] for name, t in self.extra.items()}
         self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
         if self.live > self.budget:
-            self.free = self._lowest(self.positions, self.scores)
+            self.free = self._lowest(self.positions, self.selection_scores(self.positions, self.scores))
             self.has_free = True
         return all_keys, all_values
 

@@ -10,8 +10,10 @@ number) come with it. The window is always kept (it is the protected part of the
 The paper leaves decoding uncompressed; here the cache stays bounded, by the same statistic kept
 up to date: the observation window slides with the stream. Each step's query joins it and the
 oldest leaves, so a token's score is always the attention it received from the ``window`` most
-recent queries (each as computed at its own step over the tokens kept then; no pooling), and the
-lowest-scoring token outside the ``window`` newest is evicted. The per-query attention of the
+recent queries (each as computed at its own step over the tokens kept then), and the token whose
+score, pooled as at the prefill over the kept tokens in position order, is lowest outside the
+``window`` newest is evicted. (Unpooled, the first decode steps would evict exactly the
+neighbours that pooling kept: the other digits of a number.) The per-query attention of the
 window is the ``history`` state, ``[batch, kv_heads, window, slots]``, oldest query first.
 """
 
