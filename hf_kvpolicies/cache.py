@@ -163,6 +163,8 @@ class PolicyCache(Cache):
         self.storage = storage
         self.padded: bool | None = None
         """Whether the batch is padded, read from the mask on multi-token forwards (never on a decode step)."""
+        self.layer_masks: list[torch.Tensor] | None = None
+        """Per layer, this forward's mask where layers return different numbers of keys (``masks``)."""
         from .masks import attach_mask_hook  # the hook module imports this one
 
         self.model_token = attach_mask_hook(model)

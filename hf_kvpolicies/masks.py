@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 HOOK_ATTRIBUTE = "_hf_kvpolicies_mask_hook"
+LAYER_HOOK_ATTRIBUTE = "_hf_kvpolicies_layer_mask_hooks"
 TOKEN_ATTRIBUTE = "_hf_kvpolicies_model_token"
 """Names the model instance a cache was built with (a deep copy, hook included, shares it)."""
 CACHE_KWARGS = ("cache", "past_key_values")
@@ -61,16 +62,20 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if not isinstance(cache, PolicyCache):
         return None
     cache.announce_forward(getattr(module, TOKEN_ATTRIBUTE, None))
+    cache.layer_masks = None
     if all(layer.retention.in_position_order for layer in cache.layers):
         return None
     padding = kwargs.get("attention_mask")
-    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
-        return None
     embeds = kwargs.get("inputs_embeds")
     inputs = kwargs.get("input_ids") if embeds is None else embeds
     if inputs is None:
         inputs = args[0]
     query_length = inputs.shape[1]
+    dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
+    if len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
+        _layer_masks(cache, padding, inputs, query_length, module.config, dtype)
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+        return None
     if query_length > 1 or cache.padded is None:
         # read the mask's values on multi-token forwards only: a decode step keeps the padding
         # its prompt had (its own column is a real token), so it reads nothing back
@@ -81,8 +86,51 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         layer.retention.observe_padding(padding)
     if cache.get_seq_length() == 0:
         return None
-    dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
     kwargs["attention_mask"] = exact_masks(cache, padding, query_length, module.config, dtype)
+    return args, kwargs
+
+
+def _layer_masks(cache, padding, inputs: torch.Tensor, query_length: int, config, dtype: torch.dtype) -> None:
+    """Layers that return different numbers of keys (pyramid or adaptive layer budgets) each get
+    their own exact mask, which :func:`_layer_mask_hook` hands to that layer's attention:
+    transformers builds one mask from the first layer's sizes. An sdpa decode step of an unpadded
+    batch needs none (every kept key is visible), so the hot path builds nothing."""
+    implementation = config._attn_implementation
+    padded = isinstance(padding, torch.Tensor) and padding.dim() == 2 and (
+        cache.padded if query_length == 1 and cache.padded is not None else not bool(padding.all())
+    )
+    if query_length == 1 and implementation == "sdpa" and not padded:
+        return
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+        padding = torch.ones(inputs.shape[0], cache.get_seq_length() + query_length, dtype=torch.bool, device=inputs.device)
+    heads = config.num_attention_heads
+    groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    cache.layer_masks = [
+        to_attention_format(allowed_keys(layer.retention, padding, query_length, groups), implementation, dtype)
+        for layer in cache.layers
+    ]
+
+
+def attach_layer_mask_hook(model: nn.Module) -> None:
+    """A pre-hook on every attention module that swaps in its layer's own mask when the cache has
+    one (:func:`_layer_masks`); idempotent, inert for every other cache."""
+    decoder = decoder_of(model)
+    if getattr(decoder, LAYER_HOOK_ATTRIBUTE, None) is not None:
+        return
+    handles = [
+        layer.self_attn.register_forward_pre_hook(_layer_mask_hook, with_kwargs=True)
+        for layer in getattr(decoder, "layers", ())
+        if hasattr(getattr(layer, "self_attn", None), "layer_idx")
+    ]
+    setattr(decoder, LAYER_HOOK_ATTRIBUTE, handles)
+
+
+def _layer_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+    masks = getattr(cache, "layer_masks", None)
+    if masks is None:
+        return None
+    kwargs["attention_mask"] = masks[module.layer_idx]
     return args, kwargs
 
 

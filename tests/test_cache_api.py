@@ -4,12 +4,13 @@ different widths (multi-head latent attention), iteration, repr and argument typ
 from __future__ import annotations
 
 import copy
+import inspect
 
 import numpy as np
 import pytest
 import torch
 from helpers import left_padded, prefill_then_decode, streaming_reference
-from tiny_models import random_ids, tiny_deepseek_v3, tiny_gemma3, tiny_llama
+from tiny_models import char_tokenizer, random_ids, tiny_deepseek_v3, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from hf_kvpolicies import FP8Cache, FullCache, SinkCache, SlidingWindowCache, available_policies, from_spec
@@ -120,7 +121,10 @@ def test_iterating_yields_what_dynamic_cache_yields():
 def test_every_policy_iterates_over_what_it_keeps(name):
     model = tiny_llama()
     constructor = policy_constructor(name)
-    cache = constructor(model, **(constructor.budget_parameters(8) or {}))
+    kwargs = constructor.budget_parameters(8) or {}
+    if "tokenizer" in inspect.signature(constructor).parameters:
+        kwargs["tokenizer"] = char_tokenizer()  # KVzip writes its repeat prompt with it
+    cache = constructor(model, **kwargs)
     prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
     layers = list(cache)
     assert len(layers) == 2

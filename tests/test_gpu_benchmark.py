@@ -30,4 +30,6 @@ def test_tiny_run_times_every_contender_at_every_context(capsys):
             for label in timed:
                 if label.endswith(" compiled") and cells[label, context] == "n/a (is_compileable is False)":
                     continue  # a cache that cannot compile is reported as such, never timed eager in its place
+                if name == "kvzip" and "tokenizer" in cells[label, context]:
+                    continue  # a random-weight model has no tokenizer for KVzip's repeat prompt: refused, said so
                 assert float(cells[label, context]) > 0, label

@@ -185,7 +185,8 @@ def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path)).eval()
     cache = from_spec(model, "kvzip:budget=12,recent=2,layer_budgets=pyramid,chunk=16")
     assert cache.prompt.first == KVzipCache(model, tokenizer=TOKENIZER).prompt.first
-    assert KVzipCache.budget_parameters(64) == {"budget": 64}
+    assert KVzipCache.budget_parameters(64) == {"budget": 64, "recent": 8}
+    assert KVzipCache.budget_parameters(8) == {"budget": 8, "recent": 4}
     prefill_then_decode(model, random_ids(1, 40), cache, prefill=30)
     assert cache.layer_budget_sizes() != [12, 12] and sum(cache.layer_budget_sizes()) == 24
 

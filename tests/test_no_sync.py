@@ -13,7 +13,7 @@ import inspect
 import pytest
 import torch
 from host_sync import guarded, mark
-from tiny_models import random_ids, tiny_gemma3, tiny_llama
+from tiny_models import char_tokenizer, random_ids, tiny_gemma3, tiny_llama
 
 from hf_kvpolicies import available_policies
 from hf_kvpolicies.specs import policy_constructor
@@ -34,6 +34,8 @@ def cases():
 def build(model, name: str, storage: str | None):
     constructor = policy_constructor(name)
     kwargs = dict(constructor.budget_parameters(BUDGET) or {})
+    if "tokenizer" in inspect.signature(constructor).parameters:
+        kwargs["tokenizer"] = char_tokenizer()  # KVzip writes its repeat prompt with it
     if storage is not None:
         kwargs["storage"] = storage
     return constructor(model, **kwargs)
@@ -45,7 +47,11 @@ def build(model, name: str, storage: str | None):
 @torch.no_grad()
 def test_decode_steps_read_nothing_back_from_the_device(name, storage, make_model, padded, monkeypatch, one_thread):
     model = make_model()
-    cache = build(model, name, storage)
+    try:
+        cache = build(model, name, storage)
+    except ValueError as error:  # a policy that cannot serve a model refuses it at construction, naming why
+        assert make_model is tiny_gemma3 and "sliding" in str(error)
+        return
     ids = mark(random_ids(2, PROMPT + DECODE_STEPS))
     mask = torch.ones_like(ids)
     if padded:

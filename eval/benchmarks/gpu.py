@@ -151,7 +151,11 @@ def measure(args: argparse.Namespace, shape: str, deadline: float, skipped: list
                 if time.monotonic() > deadline:
                     skipped.append(f"{shape} {name} @{context}")
                     continue
-                cache = make(model, context)
+                try:
+                    cache = make(model, context)
+                except ValueError as error:  # a policy that cannot serve this model says why
+                    rows.append(Row(name, context, None, note=f"refused: {str(error).splitlines()[0][:80]}"))
+                    continue
                 if compile_it and not cache.is_compileable:
                     rows.append(Row(name, context, None, note="is_compileable is False"))
                     continue

@@ -47,6 +47,11 @@ class KVzipCache(ScoredCache):
     """KVzip ranks raw reconstruction scores of every layer and head together; a layer is sized
     for the head that wins most (its heads share one slot count)."""
 
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """A budget of ``budget`` tokens, with at most half of it (8 at most) as the recent window."""
+        return {"budget": budget, "recent": min(8, budget // 2)}
+
     def __init__(
         self,
         model: PreTrainedModel,

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from ..attention_scores import attach_query_hook, check_attention_implementation
 from ..cache import PolicyCache
-from ..masks import CACHE_KWARGS, decoder_of
+from ..masks import CACHE_KWARGS, attach_layer_mask_hook, decoder_of
 from ..model_layout import layer_layouts
 from ..retention.layer_budgets import adaptive_budgets, pyramid_budgets
 from ..retention.scored import Pending, ScoredRetention
@@ -74,6 +74,8 @@ class ScoredCache(PolicyCache):
         self.layer_budgets = layer_budgets
         super().__init__(model, make, storage=storage)
         attach_finish_hook(model)
+        if layer_budgets != "uniform":
+            attach_layer_mask_hook(model)  # layers then return different numbers of keys
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
