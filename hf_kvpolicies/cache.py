@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -13,7 +14,14 @@ from .retention import Retention, RingRetention
 from .storage import Storage, StorageFactory, storage_factory
 
 RetentionFactory = Callable[[LayerLayout], Retention]
-"""Builds the retention of one of the model's full-attention layers."""
+"""Builds the policy's retention for one decoder layer."""
+
+OTHER_MODEL = (
+    "this {cache} was built for another model instance than the one running it: its hooks (exact "
+    "masks for padded batches, the queries that scores need) and what it read from the model (rotary "
+    "frequencies) belong to the model it was built with; build the cache with the model that uses it, "
+    "{cache}(model)"
+)
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -35,6 +43,18 @@ class PolicyLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:
         return self.retention.is_croppable
 
+    @property
+    def record_past(self) -> bool:
+        """transformers switches recording off through this attribute when generate() ends."""
+        return self.retention.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self.retention.record_past = value
+
+    def activate_past_recording(self) -> None:
+        self.retention.start_recording(self.storage)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.retention.update(self.storage, key_states[:, :, :0], value_states[:, :, :0])
         self.is_initialized = True
@@ -47,6 +67,12 @@ class PolicyLayer(CacheLayerMixin):
         self.is_initialized = True
         self.device = key_states.device
         return keys, values
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the tokens kept, in position order (``[batch, heads, kept, dim]``)."""
+        if not self.storage.is_allocated:
+            return torch.empty(0), torch.empty(0)
+        return self.storage.gather(self.retention.kept_slots().to(self.storage.device))
 
     def get_seq_length(self) -> int:
         return self.retention.seen
@@ -81,7 +107,7 @@ class PolicyLayer(CacheLayerMixin):
         return keys.shape[0]
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.retention.crop(tokens_to_remove)
+        self.retention.crop(self.storage, tokens_to_remove)
 
     def offload(self) -> None:
         raise NotImplementedError("hf-kvpolicies caches do not offload layers to the CPU")
@@ -92,10 +118,21 @@ class PolicyLayer(CacheLayerMixin):
 class PolicyCache(Cache):
     """A cache made of one :class:`PolicyLayer` per decoder layer of ``model``.
 
-    The model's own sliding-window layers (Gemma 3, Qwen with ``layer_types``) keep exactly the
-    window the model was trained with, as transformers' ``DynamicSlidingWindowLayer`` does,
-    whatever the policy: they are bounded already, and their mask is the model's. The policy's
-    retention governs the full-attention layers. Both use the chosen storage.
+    **Sliding-window layers.** On a model that mixes sliding-window and full-attention layers
+    (Gemma 3, Qwen with ``layer_types``) the sliding layers keep exactly the window the model was
+    trained with, as transformers' ``DynamicSlidingWindowLayer`` does, whatever the policy: they
+    are bounded already and their mask is the model's, while the policy governs the
+    full-attention layers, which hold nearly all of the memory a long context costs (Gemma 3:
+    one layer in six, each holding the whole context, against windows of 512-1024 tokens). On a
+    model whose every layer slides (Mistral-7B-v0.1), that rule would leave the policy nothing to
+    do, so there the policy governs every layer, choosing only among the tokens the model's window
+    still shows (:meth:`~hf_kvpolicies.retention.base.Retention.within_model_window`): a budget at
+    least the model's window gives exactly ``DynamicSlidingWindowLayer``; a policy that cannot
+    choose inside that window (attention sinks lie outside it) is refused with ``ValueError``.
+    ``governed`` records which layers the policy decides.
+
+    The cache belongs to the model instance it is built with (it installs hooks there and reads
+    the model's rotary frequencies); a forward of another instance raises ``ValueError``.
     """
 
     def __init__(
@@ -104,23 +141,47 @@ class PolicyCache(Cache):
         retention: RetentionFactory,
         storage: str | StorageFactory = "native",
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"{type(self).__name__} takes the model itself, not {type(model).__name__}: the cache installs "
+                f"a hook on the model (exact masks for padded batches, a check that it runs with that model) "
+                f"and reads its attention layout and rotary embedding; build it as {type(self).__name__}(model)"
+            )
         make_storage = storage_factory(storage)
         self.layouts = layer_layouts(model)
-        layers = [
-            PolicyLayer(
-                RingRetention(layout.sliding_window - 1, banded=True) if layout.is_sliding else retention(layout),
-                make_storage,
-            )
-            for layout in self.layouts
-        ]
+        every_layer_slides = all(layout.is_sliding for layout in self.layouts)
+        layers, self.governed = [], []
+        for layout in self.layouts:
+            if layout.is_sliding and not every_layer_slides:
+                layer_retention, governed = RingRetention.model_window(layout.sliding_window), False
+            else:
+                layer_retention, governed = self._policy_retention(model, retention, layout), True
+            layers.append(PolicyLayer(layer_retention, make_storage))
+            self.governed.append(governed)
         super().__init__(layers=layers)
-        self.governed = [not layout.is_sliding for layout in self.layouts]
-        """Per layer: True where the policy's retention governs it (not the model's own window kept as is)."""
         self.storage = storage
+        self.padded: bool | None = None
+        """Whether the batch is padded, read from the mask on multi-token forwards (never on a decode step)."""
         from .masks import attach_mask_hook  # the hook module imports this one
 
-        attach_mask_hook(model)
+        self.model_token = attach_mask_hook(model)
         self.attn_implementation = model.config._attn_implementation
+        self._announced: int | None = None
+
+    def _policy_retention(self, model, retention: RetentionFactory, layout: LayerLayout) -> Retention:
+        """The policy's retention for ``layout``, kept inside the model's window on a sliding layer."""
+        chosen = retention(layout)
+        if not layout.is_sliding:
+            return chosen
+        inside = chosen.within_model_window(layout.sliding_window)
+        if inside is None:
+            model_type = getattr(model.config, "model_type", type(model).__name__)
+            raise ValueError(
+                f"{type(self).__name__} cannot serve {model_type}: every layer of it is a sliding-window layer "
+                f"(window {layout.sliding_window}), and {type(chosen).__name__} keeps tokens that window never "
+                "shows; use SlidingWindowCache (window) or FullCache for this model"
+            )
+        return inside
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int] | None:
@@ -136,11 +197,55 @@ class PolicyCache(Cache):
         """How many layers the policy governs; a run where it governs none measures nothing."""
         return sum(self.governed)
 
+    # --- the model that runs the cache -------------------------------------------------------
+    def announce_forward(self, model_token: str) -> None:
+        """Called by the mask hook before each forward of a model that carries it."""
+        if model_token != self.model_token:
+            raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        self._announced = self.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """transformers asks while it builds a forward's masks: a forward that the hook of the
+        cache's model did not announce comes from another model instance."""
+        if self._announced != self.get_seq_length():
+            raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    # --- rolling back (assisted decoding, prompt lookup) ------------------------------------
+    def _refuse_rollback(self) -> None:
+        if not self.is_croppable:
+            raise NotImplementedError(
+                f"{type(self).__name__} evicts tokens, so it cannot roll back the draft tokens that assisted "
+                "decoding and prompt lookup reject: use a cache that keeps every token (FullCache, FP8Cache) "
+                "for those, or generate without them"
+            )
+
+    def activate_past_recording(self) -> None:
+        """generate() calls this before prefill for assisted decoding: a bounded policy refuses here."""
+        self._refuse_rollback()
+        super().activate_past_recording()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._refuse_rollback()
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.padded = self._announced = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per layer, as ``DynamicCache`` yields: kept keys, kept values, and the model's sliding
+        window as a tensor on sliding layers (``None`` elsewhere)."""
+        for layer, layout in zip(self.layers, self.layouts):
+            keys, values = layer.kept()
+            window = None if layout.sliding_window is None or not layer.is_sliding else torch.tensor(layout.sliding_window)
+            yield keys, values, window
+
     def get_memory_footprint(self) -> int:
         """Bytes of every persistent tensor this cache holds, pre-allocated capacity included.
 
-        Capacity counts because it is memory the user pays for: a full cache doubles its
-        buffers when they fill, a bounded one allocates its ring (``budget + 1`` slots) once.
+        Capacity counts because it is memory the user pays for: a full cache grows its buffers by a
+        quarter when they fill, a bounded one allocates its ring (``budget + 1`` slots) once.
         """
         return sum(layer.storage.nbytes + layer.retention.state_nbytes for layer in self.layers)
 
@@ -150,9 +255,9 @@ class PolicyCache(Cache):
 
     @property
     def first_policy_layer(self) -> int:
-        """Index of the first layer the policy governs: the model's own sliding-window layers
-        (Gemma 3) keep the model's window whatever the policy; 0 when every layer is sliding."""
-        return next((i for i, layer in enumerate(self.layers) if not layer.is_sliding), 0)
+        """Index of the first layer the policy governs (the model's own sliding-window layers of a
+        hybrid model keep the model's window whatever the policy)."""
+        return self.governed.index(True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={len(self.layers)}, storage={self.storage!r})"

@@ -9,7 +9,8 @@ with padding it would hide real tokens and show pads.
 So a forward pre-hook on the decoder, installed once per model, looks at each forward: when the
 cache is a :class:`~hf_kvpolicies.cache.PolicyCache` that already holds tokens and the batch is
 padded, it replaces the 2-D mask by the exact 4-D mask, built from the positions each slot
-holds. For any other cache the hook returns at once and changes nothing.
+holds. For any other cache the hook returns at once and changes nothing. It also tells the cache
+which model instance runs it (a cache built for another instance raises ``ValueError``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import uuid
+
 import torch
 from torch import nn
 
 HOOK_ATTRIBUTE = "_hf_kvpolicies_mask_hook"
+TOKEN_ATTRIBUTE = "_hf_kvpolicies_model_token"
+"""Names the model instance a cache was built with (a deep copy, hook included, shares it)."""
 CACHE_KWARGS = ("cache", "past_key_values")
 MASK_FORMATS = ("sdpa", "eager")
 
@@ -30,12 +35,16 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
-def attach_mask_hook(model: nn.Module) -> None:
-    """Install the hook once per model; idempotent, so many caches never pile up hooks."""
+def attach_mask_hook(model: nn.Module) -> str:
+    """Install the hook once per model (idempotent, so many caches never pile up hooks) and return
+    the model's token: a cache keeps it, and the hook compares it at every forward."""
     decoder = decoder_of(model)
     if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
         handle = decoder.register_forward_pre_hook(_exact_mask_hook, with_kwargs=True)
         setattr(decoder, HOOK_ATTRIBUTE, handle)
+    if getattr(decoder, TOKEN_ATTRIBUTE, None) is None:
+        setattr(decoder, TOKEN_ATTRIBUTE, uuid.uuid4().hex)
+    return getattr(decoder, TOKEN_ATTRIBUTE)
 
 
 def detach_mask_hook(model: nn.Module) -> None:
@@ -50,20 +59,29 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     from .cache import PolicyCache
 
     cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
-    if not isinstance(cache, PolicyCache) or all(layer.retention.in_position_order for layer in cache.layers):
+    if not isinstance(cache, PolicyCache):
+        return None
+    cache.announce_forward(getattr(module, TOKEN_ATTRIBUTE, None))
+    if all(layer.retention.in_position_order for layer in cache.layers):
         return None
     padding = kwargs.get("attention_mask")
-    if not isinstance(padding, torch.Tensor) or padding.dim() != 2 or bool(padding.all()):
-        return None
-    for layer in cache.layers:
-        layer.retention.observe_padding(padding)
-    if cache.get_seq_length() == 0:
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
         return None
     embeds = kwargs.get("inputs_embeds")
     inputs = kwargs.get("input_ids") if embeds is None else embeds
     if inputs is None:
         inputs = args[0]
     query_length = inputs.shape[1]
+    if query_length > 1 or cache.padded is None:
+        # read the mask's values on multi-token forwards only: a decode step keeps the padding
+        # its prompt had (its own column is a real token), so it reads nothing back
+        cache.padded = not bool(padding.all())
+    if not cache.padded:
+        return None
+    for layer in cache.layers:
+        layer.retention.observe_padding(padding)
+    if cache.get_seq_length() == 0:
+        return None
     dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
     kwargs["attention_mask"] = exact_masks(cache, padding, query_length, module.config, dtype)
     return args, kwargs
@@ -99,7 +117,7 @@ def allowed_keys(retention, padding: torch.Tensor, query_length: int) -> torch.T
     query_pos = torch.arange(retention.seen, retention.seen + query_length)
     causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
     allowed = (causal & retention.visible(query_pos, key_pos)).to(device)
-    is_token = retention.real_keys(padding.to(device=device, dtype=torch.bool), key_pos.to(device))
+    is_token = retention.real_keys(padding.to(device=device, dtype=torch.bool), key_pos)
     allowed = allowed[None, :, :] & is_token[:, None, :]
     # a query with nothing to attend to (a pad in the prompt) attends to everything instead of
     # producing NaN; its output is never used

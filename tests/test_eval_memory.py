@@ -26,7 +26,8 @@ def test_footprint_along_the_stream_is_the_analytic_size():
     model = tiny_llama()
     ids = random_ids(1, 301)
     for cache, slots_at in (
-        (FullCache(model), lambda n: 256 if n <= 256 else 512),  # 256 slots at first, doubled once full
+        # the first chunk + a quarter, then max(tokens held, capacity + a quarter) whenever full
+        (FullCache(model), {50: 62, 100: 100, 150: 150, 200: 200, 250: 250, 300: 312}.get),
         (SlidingWindowCache(model, window=16), lambda n: 17),  # the ring: window + 1 slots from the start
     ):
         trace = MemoryTrace(cache)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -64,6 +66,30 @@ def tiny_gemma3(**overrides) -> PreTrainedModel:
         }
     )
     return _build(Gemma3ForCausalLM, config)
+
+
+def tiny_deepseek_v3(**overrides) -> PreTrainedModel:
+    """Multi-head latent attention: keys 16 wide (8 without RoPE + 8 with), values 8 wide."""
+    config = DeepseekV3Config(
+        **{
+            **COMMON,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 8,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            **overrides,
+        }
+    )
+    return _build(DeepseekV3ForCausalLM, config)
 
 
 TINY_MODELS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}

@@ -49,8 +49,8 @@ class SinkCache(PolicyCache):
         positions: Literal["cache", "absolute"] = "cache",
         storage: str | StorageFactory = "native",
     ) -> None:
-        check_int("sink_tokens", sink_tokens, minimum=0)
-        check_int("window", window, minimum=1)
+        sink_tokens = check_int("sink_tokens", sink_tokens, minimum=0)
+        window = check_int("window", window, minimum=1)
         check_choice("positions", positions, POSITIONS)
         self.sink_tokens, self.window, self.positions = sink_tokens, window, positions
         rotaries: dict[str, Rotary] = {}  # one per layer type, shared so a step's cos/sin is computed once

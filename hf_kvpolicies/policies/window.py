@@ -27,7 +27,7 @@ class SlidingWindowCache(PolicyCache):
     """
 
     def __init__(self, model: PreTrainedModel, window: int = 1024, storage: str | StorageFactory = "native") -> None:
-        check_int("window", window, minimum=1)
+        window = check_int("window", window, minimum=1)
         self.window = window
         super().__init__(model, lambda layout: RingRetention(window), storage=storage)
 

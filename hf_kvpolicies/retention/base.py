@@ -25,6 +25,17 @@ from ..storage import Storage
 from ..storage.base import SlotIndex
 
 
+GROWTH = 1.25
+"""Factor by which a growing buffer enlarges: appends stay amortised O(1) (geometric growth) and a
+buffer never holds more than 1.25x the slots in use once it has grown (2x would pay for up to twice
+the tokens held, where ``DynamicCache`` holds just them)."""
+
+
+def grown_capacity(held: int) -> int:
+    """Slots for a buffer that holds ``held`` tokens and takes more: a quarter more, at least one."""
+    return max(held + 1, int(held * GROWTH))
+
+
 class Retention(ABC):
     """Per-layer slot bookkeeping; subclasses decide placement and what survives a trim."""
 
@@ -44,6 +55,9 @@ class Retention(ABC):
         """Slots ``[0, live)`` hold tokens that a decode step attends to."""
         self.slot_pos: torch.Tensor | None = None
         """Absolute position (index in the stream) held by each slot, ``-1`` when empty."""
+        self.record_past = False
+        """Set while generate() may roll back (assisted decoding): a croppable retention then keeps
+        what a :meth:`crop` needs to restore."""
 
     # --- what subclasses decide -------------------------------------------------------
     @abstractmethod
@@ -63,6 +77,13 @@ class Retention(ABC):
     def max_length(self) -> int:
         """Most tokens kept at once; ``-1`` when unbounded."""
 
+    def within_model_window(self, sliding_window: int) -> Retention | None:
+        """This policy on a layer the model itself masks to its last ``sliding_window`` tokens
+        (models whose every layer slides, such as Mistral-7B-v0.1): a retention that chooses only
+        among the tokens that window shows, or ``None`` when the policy cannot serve such a layer
+        (the cache then refuses the model at construction)."""
+        return None
+
     # --- the shared mechanics ---------------------------------------------------------
     @property
     def stored(self) -> int:
@@ -79,7 +100,7 @@ class Retention(ABC):
         """Store the new tokens and return what attention should see in this forward."""
         q = keys.shape[-2]
         if not storage.is_allocated:
-            storage.allocate(keys, self.capacity(q))
+            storage.allocate(keys, self.capacity(q), value_dim=values.shape[-1])
             self.slot_pos = torch.full((storage.capacity,), -1, dtype=torch.long)
         slots = self.plan(q)
         if slots is not None:
@@ -140,11 +161,11 @@ class Retention(ABC):
     def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """``[batch, kv]`` bool: which keys of the next update hold a real token in each row.
 
-        ``padding`` is the bool 2-D mask, ``key_pos`` comes from :meth:`key_positions`. By default
-        a key is real where the padding is at its position; a layout that puts different tokens
-        of different rows in one slot refines this.
+        ``padding`` is the bool 2-D mask (on the model's device), ``key_pos`` comes from
+        :meth:`key_positions` (host). By default a key is real where the padding is at its
+        position; a layout that puts different tokens of different rows in one slot refines this.
         """
-        return padding[:, key_pos.clamp(min=0)]
+        return padding[:, key_pos.clamp(min=0).to(padding.device)]
 
     def reorder(self, batch_index: torch.Tensor) -> None:
         """Per-row state to reorder with the storage (nothing for layouts shared by all rows)."""
@@ -153,20 +174,24 @@ class Retention(ABC):
         self.seen = 0
         self.live = 0
         self.slot_pos = None
+        self.record_past = False
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__} evicts tokens and cannot roll back; use FullCache for assisted "
-            "decoding or other features that crop the cache"
-        )
+    def start_recording(self, storage: Storage) -> None:
+        """Past recording begins (before a forward that may be rolled back)."""
+        self.record_past = True
+
+    def crop(self, storage: Storage, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (only croppable retentions can)."""
+        raise NotImplementedError(f"{type(self).__name__} evicts tokens and cannot roll back")
 
     # --- helpers for subclasses -------------------------------------------------------
     def _after_trim(self) -> None:
         """Called after a concatenate-then-trim update (for state tied to the layout)."""
 
-    @staticmethod
-    def _end(slots: SlotIndex, q: int) -> int:
-        return slots + q if isinstance(slots, int) else int(slots.max()) + 1
+    def _end(self, slots: SlotIndex, q: int) -> int:
+        """One past the last slot written. A tensor of slots (chosen per row and head, on the
+        model's device) overwrites slots in use, so it ends at ``live``: nothing is read back."""
+        return slots + q if isinstance(slots, int) else self.live
 
     @staticmethod
     def _as_index(slots: SlotIndex, q: int) -> torch.Tensor | slice:
@@ -175,7 +200,7 @@ class Retention(ABC):
     def _ensure_capacity(self, storage: Storage, slots: SlotIndex, q: int) -> None:
         end = self._end(slots, q)
         if end > storage.capacity:
-            new_capacity = max(end, 2 * storage.capacity)
+            new_capacity = max(end, grown_capacity(storage.capacity))
             storage.grow(new_capacity)
             grown = torch.full((new_capacity,), -1, dtype=torch.long)
             grown[: self.slot_pos.numel()] = self.slot_pos

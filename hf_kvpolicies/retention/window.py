@@ -5,12 +5,19 @@ The buffer has ``sinks + window + 1`` slots: one more than is kept, so that a de
 writes its token over the one leaving the window *in place* and still attends to
 ``sinks + window`` kept tokens plus itself. Slots ``[0, sinks)`` are never overwritten once
 filled; slots ``[sinks, capacity)`` form the ring.
+
+On a model's own sliding-window layers (``band`` set: the model masks each query to the
+``band`` tokens before it) a ring that keeps the whole band (``window == band``, no sinks) is
+transformers' ``DynamicSlidingWindowLayer`` and rolls back as it does: while past recording is
+on (assisted decoding, prompt lookup) it appends without evicting, in position order, and
+:meth:`RingRetention.crop` drops the rejected tokens and restricts it to the band again.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..storage import Storage
 from ..storage.base import SlotIndex
 from .base import Retention
 
@@ -20,15 +27,30 @@ class RingRetention(Retention):
 
     keeps_by_position = True
 
-    def __init__(self, window: int, sinks: int = 0, banded: bool = False) -> None:
-        """``banded``: queries also see only the ``window`` tokens before them inside a
-        multi-token forward (the semantics of a model's own sliding-window layers)."""
+    def __init__(self, window: int, sinks: int = 0, band: int | None = None) -> None:
+        """``band``: on a model's sliding-window layer, the tokens before it that a query may see
+        (the model's ``sliding_window - 1``), inside multi-token forwards too."""
         super().__init__()
         self.window = window
         self.sinks = sinks
-        self.banded = banded
-        self.is_sliding = banded
+        self.band = band
+        self.is_sliding = band is not None
         self._next = 0
+
+    @classmethod
+    def model_window(cls, sliding_window: int) -> RingRetention:
+        """What transformers keeps on a sliding layer of a model trained with ``sliding_window``."""
+        return cls(sliding_window - 1, band=sliding_window - 1)
+
+    def within_model_window(self, sliding_window: int) -> Retention | None:
+        """The window, capped to what the model's window shows; sinks lie outside it (``None``)."""
+        if self.sinks:
+            return None
+        return RingRetention(min(self.window, sliding_window - 1), band=sliding_window - 1)
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.band is not None and self.sinks == 0 and self.window == self.band
 
     @property
     def ring_capacity(self) -> int:
@@ -42,6 +64,8 @@ class RingRetention(Retention):
         return self.sinks + self.window
 
     def plan(self, q: int) -> SlotIndex | None:
+        if self.record_past:
+            return self.live  # in position order, evicting nothing until the next crop
         if self.live + q <= self.ring_capacity and self._next == self.live:
             return self.live  # still filling: append
         if q == 1:
@@ -55,10 +79,46 @@ class RingRetention(Retention):
         return torch.cat([torch.arange(self.sinks), torch.arange(count - self.window, count)])
 
     def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        if not self.banded:
+        if self.band is None:
             return super().visible(query_pos, key_pos)
-        return (query_pos[:, None] - key_pos[None, :]) <= self.window
+        return (query_pos[:, None] - key_pos[None, :]) <= self.band
 
+    def start_recording(self, storage: Storage) -> None:
+        """Put the kept tokens in position order first: recorded forwards append after them."""
+        super().start_recording(storage)
+        if storage.is_allocated:
+            self._restrict(storage)
+
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.record_past and self.live > self.ring_capacity:
+            self._restrict(storage)  # recording was switched off (transformers does so after generate)
+        return super().update(storage, keys, values)
+
+    def crop(self, storage: Storage, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens, then keep the band again, as
+        ``DynamicSlidingWindowLayer.crop`` does (so ``crop(0)`` may free memory)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove, as DynamicCache does")
+        if not self.is_croppable:
+            super().crop(storage, tokens_to_remove)
+        if not self.record_past and self.seen > self.window and tokens_to_remove < 0:
+            raise NotImplementedError(
+                "this sliding-window layer has evicted tokens and was not recording them: call "
+                "cache.activate_past_recording() before the forwards to roll back (generate() does so "
+                "for assisted decoding and prompt lookup)"
+            )
+        removed = min(-tokens_to_remove, self.live)
+        self.live -= removed
+        self.seen -= removed
+        if self.slot_pos is not None:
+            self.slot_pos[self.live :] = -1
+            self._restrict(storage)
+
+    def reset(self) -> None:
+        super().reset()
+        self._next = 0
+
+    # --- internals ---------------------------------------------------------------------
     def _record(self, slots: SlotIndex, q: int) -> None:
         super()._record(slots, q)
         end = self._end(slots, q)
@@ -67,6 +127,16 @@ class RingRetention(Retention):
     def _after_trim(self) -> None:
         self._next = self.live if self.live < self.ring_capacity else self.sinks
 
-    def reset(self) -> None:
-        super().reset()
-        self._next = 0
+    def _restrict(self, storage: Storage) -> None:
+        """Keep the last ``window`` tokens, in position order, in a buffer of ``ring_capacity`` slots."""
+        kept = self.kept_slots()
+        if self.live <= self.ring_capacity and torch.equal(kept, torch.arange(self.live)):
+            return  # already in position order and within the ring: nothing to move
+        keys, values = storage.gather(kept.to(storage.device))
+        positions = self.slot_pos[kept]
+        storage.allocate(keys, self.ring_capacity, value_dim=values.shape[-1])
+        storage.write(0, keys, values)
+        self.slot_pos = torch.full((storage.capacity,), -1, dtype=torch.long)
+        self.slot_pos[: kept.numel()] = positions
+        self.live = kept.numel()
+        self._after_trim()

@@ -1,6 +1,7 @@
 """The storage axis: how the key/value slots of one layer are held in memory.
 
-A storage is a slot-addressed pair of tensors shaped ``[batch, kv_heads, slots, head_dim]``.
+A storage is a slot-addressed pair of tensors shaped ``[batch, kv_heads, slots, head_dim]``
+(values may be narrower or wider than keys: each is sized from its own last dim).
 It knows nothing about which token lives in which slot: that is the retention's job.
 """
 
@@ -28,8 +29,12 @@ class Storage(ABC):
         return self.dtype is not None
 
     @abstractmethod
-    def allocate(self, like: torch.Tensor, capacity: int) -> None:
-        """Create ``capacity`` empty slots shaped like ``like`` (``[batch, heads, *, head_dim]``)."""
+    def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
+        """Create ``capacity`` empty slots shaped like ``like`` (keys: ``[batch, heads, *, head_dim]``).
+
+        ``value_dim``: the values' last dim where it differs from the keys' (multi-head latent
+        attention stores 192-wide keys and 128-wide values); ``None`` for the keys' own.
+        """
 
     @abstractmethod
     def grow(self, capacity: int) -> None:

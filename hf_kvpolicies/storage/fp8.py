@@ -39,7 +39,7 @@ Exact, and made of vectorised integer and float operations on any device.
 from __future__ import annotations
 
 import math
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
@@ -132,9 +132,11 @@ def _as_int16(value: int) -> int:
 class FP8Storage(Storage):
     """One layer's slots as an fp8 payload, a scale per token and KV head, and a native residual.
 
-    Keys and values are held together, ``[2, batch, kv_heads, slots, head_dim]``, so each write,
-    read and reorder is one operation for both. Bytes per token and KV head: ``2 * head_dim``
-    (payload) + 2 (scales); plus ``residual`` native tokens and the slot each one shadows.
+    Keys and values are held side by side, ``[batch, kv_heads, slots, key_dim + value_dim]``, so
+    each write, read and reorder is one operation for both, and values are as wide as they are
+    (multi-head latent attention: 192-wide keys, 128-wide values). Bytes per token and KV head:
+    ``key_dim + value_dim`` (payload) + 2 (a scale for the key, one for the value); plus
+    ``residual`` native tokens and the slot each one shadows.
     """
 
     def __init__(self, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> None:
@@ -142,22 +144,26 @@ class FP8Storage(Storage):
         self.residual = check_int("residual", residual, minimum=0)
         self.format = float8_format(dtype)
         self.payload: torch.Tensor | None = None
-        """``uint8 [2, batch, heads, capacity, head_dim]``: the fp8 bytes of every slot."""
+        """``uint8 [batch, heads, capacity, key_dim + value_dim]``: the fp8 bytes of every slot."""
         self.scales: torch.Tensor | None = None
-        """``uint8 [2, batch, heads, capacity, 1]``: E8M0 codes, scale ``2**(code - 127)``."""
+        """``uint8 [batch, heads, capacity, 2]``: E8M0 codes (key, value), scale ``2**(code - 127)``."""
         self.residual_values: torch.Tensor | None = None
-        """``[2, batch, heads, residual, head_dim]`` in the model's dtype: a ring of the latest writes."""
+        """``[batch, heads, residual, key_dim + value_dim]`` in the model's dtype: a ring of the latest writes."""
         self.residual_slots: torch.Tensor | None = None
         """``long [batch, heads, residual]``: the slot each residual entry shadows."""
+        self.key_dim = 0  # keys fill the payload's first key_dim bytes, values the rest
         self._held = 0  # residual entries in use (they fill [0, residual) in order)
         self._next = 0  # ring position of the next entry
         self._written_end = 0  # one past the highest slot ever written: reads that cover it need no filter
+        self._shadowed: list[int] | None = [-1] * self.residual
+        """Host copy of the slot each entry shadows while every write had ``int`` slots (then all
+        rows and heads agree); ``None`` once a per-row tensor of slots was written."""
 
     @classmethod
-    def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn"):
+    def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> FP8Factory:
         """A zero-argument factory for ``storage=`` on any policy (the options are checked now)."""
-        cls(residual, dtype)
-        return partial(cls, residual=residual, dtype=dtype)
+        checked = cls(residual, dtype)
+        return FP8Factory(checked.residual, checked.format.name)
 
     @classmethod
     def from_options(cls, options: str):
@@ -184,48 +190,46 @@ class FP8Storage(Storage):
         return f"FP8Storage(residual={self.residual}, dtype={self.format.name!r})"
 
     # --- the Storage interface ---------------------------------------------------------
-    def allocate(self, like: torch.Tensor, capacity: int) -> None:
-        batch, heads, _, head_dim = like.shape
-        self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
-        self.payload = torch.zeros(2, batch, heads, capacity, head_dim, dtype=torch.uint8, device=like.device)
-        self.scales = torch.zeros(2, batch, heads, capacity, 1, dtype=torch.uint8, device=like.device)
+    def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
+        batch, heads, _, key_dim = like.shape
+        width = key_dim + (value_dim or key_dim)
+        self.dtype, self.device, self.capacity, self.key_dim = like.dtype, like.device, capacity, key_dim
+        self.payload = torch.zeros(batch, heads, capacity, width, dtype=torch.uint8, device=like.device)
+        self.scales = torch.zeros(batch, heads, capacity, 2, dtype=torch.uint8, device=like.device)
         if self.residual:
-            self.residual_values = like.new_zeros(2, batch, heads, self.residual, head_dim)
+            self.residual_values = like.new_zeros(batch, heads, self.residual, width)
             self.residual_slots = torch.zeros(batch, heads, self.residual, dtype=torch.long, device=like.device)
         self._held = self._next = self._written_end = 0
+        self._shadowed = [-1] * self.residual
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
         payload, scales, used = self.payload, self.scales, self.capacity
-        self.payload = payload.new_zeros(*payload.shape[:3], capacity, payload.shape[-1])
-        self.scales = scales.new_zeros(*scales.shape[:3], capacity, 1)
-        self.payload[:, :, :, :used] = payload
-        self.scales[:, :, :, :used] = scales
+        self.payload = payload.new_zeros(*payload.shape[:2], capacity, payload.shape[-1])
+        self.scales = scales.new_zeros(*scales.shape[:2], capacity, 2)
+        self.payload[:, :, :used] = payload
+        self.scales[:, :, :used] = scales
         self.capacity = capacity
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.shape != values.shape:
-            raise NotImplementedError(
-                f"fp8 storage holds keys and values of one shape; got {tuple(keys.shape)} and {tuple(values.shape)} "
-                "(use storage='native' for this model)"
-            )
-        fresh = torch.stack([keys, values])
-        payload, codes = self.format.quantise(fresh)
+        fresh = torch.cat([keys, values], dim=-1)
+        payload, codes = self._quantise(fresh)
         q = keys.shape[-2]
         if isinstance(slots, int):
-            self.payload[:, :, :, slots : slots + q] = payload
-            self.scales[:, :, :, slots : slots + q] = codes
+            self.payload[:, :, slots : slots + q] = payload
+            self.scales[:, :, slots : slots + q] = codes
             start, end = slots, slots + q
         else:
             slots = slots.to(self.device)
             if slots.dim() == 1:
-                self.payload.index_copy_(3, slots, payload)
-                self.scales.index_copy_(3, slots, codes)
+                self.payload.index_copy_(2, slots, payload)
+                self.scales.index_copy_(2, slots, codes)
             else:
-                self.payload.scatter_(3, _expand(slots, payload), payload)
-                self.scales.scatter_(3, _expand(slots, codes), codes)
-            start, end = int(slots.min()), int(slots.max()) + 1
+                self.payload.scatter_(2, expand_slots(slots, payload), payload)
+                self.scales.scatter_(2, expand_slots(slots, codes), codes)
+            # the slots' values stay on the device: assume the write may touch any slot
+            start, end = 0, self.capacity
         unwritten = start >= self._written_end  # an append: no residual entry can shadow these slots
         self._written_end = max(self._written_end, end)
         if self.residual:
@@ -233,42 +237,63 @@ class FP8Storage(Storage):
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if length == 0:
-            _, batch, heads, _, head_dim = self.payload.shape
-            empty = torch.empty(batch, heads, 0, head_dim, dtype=self.dtype, device=self.device)
-            return empty, empty
-        out = self.format.dequantise(self.payload[:, :, :, :length], self.scales[:, :, :, :length], self.dtype)
+            batch, heads, _, width = self.payload.shape
+            empty = torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device)
+            return self._split(empty)
+        out = self._dequantise(self.payload[:, :, :length], self.scales[:, :, :length])
         if self._held and length >= self._written_end:
             # every entry shadows a slot inside the read, and entries that share a slot agree
             held = self.residual_slots[:, :, : self._held]
-            out.scatter_(3, _expand(held, out), self.residual_values[:, :, :, : self._held])
+            out.scatter_(2, expand_slots(held, out), self.residual_values[:, :, : self._held])
         elif self._held:
             out = self._override(out, torch.arange(length, device=self.device))
-        return out[0], out[1]
+        return self._split(out)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
         if slots.dim() == 1:
-            payload, codes = self.payload.index_select(3, slots), self.scales.index_select(3, slots)
+            payload, codes = self.payload.index_select(2, slots), self.scales.index_select(2, slots)
         else:
-            payload = self.payload.gather(3, _expand(slots, self.payload))
-            codes = self.scales.gather(3, _expand(slots, self.scales))
-        out = self.format.dequantise(payload, codes, self.dtype)
+            payload = self.payload.gather(2, expand_slots(slots, self.payload))
+            codes = self.scales.gather(2, expand_slots(slots, self.scales))
+        out = self._dequantise(payload, codes)
         if self._held:
             out = self._override(out, slots)
-        return out[0], out[1]
+        return self._split(out)
 
     def reorder(self, batch_index: torch.Tensor) -> None:
         batch_index = batch_index.to(self.device)
-        self.payload = self.payload.index_select(1, batch_index)
-        self.scales = self.scales.index_select(1, batch_index)
+        self.payload = self.payload.index_select(0, batch_index)
+        self.scales = self.scales.index_select(0, batch_index)
         if self.residual:
-            self.residual_values = self.residual_values.index_select(1, batch_index)
+            self.residual_values = self.residual_values.index_select(0, batch_index)
             self.residual_slots = self.residual_slots.index_select(0, batch_index)
 
     @property
     def nbytes(self) -> int:
         tensors = (self.payload, self.scales, self.residual_values, self.residual_slots)
         return sum(t.nbytes for t in tensors if t is not None)
+
+    # --- keys and values side by side --------------------------------------------------
+    def _quantise(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., key_dim + value_dim]`` as payload bytes and ``[..., 2]`` scale codes."""
+        if 2 * self.key_dim == fresh.shape[-1]:  # equal widths: one call over a [..., 2, dim] view
+            payload, codes = self.format.quantise(fresh.unflatten(-1, (2, self.key_dim)))
+            return payload.flatten(-2), codes.flatten(-2)
+        key_payload, key_codes = self.format.quantise(fresh[..., : self.key_dim])
+        value_payload, value_codes = self.format.quantise(fresh[..., self.key_dim :])
+        return torch.cat([key_payload, value_payload], dim=-1), torch.cat([key_codes, value_codes], dim=-1)
+
+    def _dequantise(self, payload: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        if 2 * self.key_dim == payload.shape[-1]:
+            halves = payload.unflatten(-1, (2, self.key_dim))
+            return self.format.dequantise(halves, codes.unsqueeze(-1), self.dtype).flatten(-2)
+        keys = self.format.dequantise(payload[..., : self.key_dim], codes[..., :1], self.dtype)
+        values = self.format.dequantise(payload[..., self.key_dim :], codes[..., 1:], self.dtype)
+        return torch.cat([keys, values], dim=-1)
+
+    def _split(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return out[..., : self.key_dim], out[..., self.key_dim :]
 
     # --- the residual ------------------------------------------------------------------
     def _remember(self, slots: SlotIndex, fresh: torch.Tensor, unwritten: bool) -> None:
@@ -283,19 +308,17 @@ class FP8Storage(Storage):
         """
         q = fresh.shape[-2]
         if self._held and not unwritten:
-            held = self.residual_slots[:, :, : self._held]
-            match = _shadowing(held, slots, q)  # [batch, heads, held, q]
-            shadowed = match.any(dim=-1)
-            if bool(shadowed.any()):
-                source = match.to(torch.uint8).argmax(dim=-1)
-                current = self.residual_values[:, :, :, : self._held]
-                new = fresh.gather(3, _expand(source, fresh))
-                self.residual_values[:, :, :, : self._held] = torch.where(shadowed[None, ..., None], new, current)
-                if bool(match.any(dim=-2).all()):
+            if self._shadowed is None or not isinstance(slots, int):  # per-row slots: refresh on the device, always push
+                self._refresh(slots, fresh)
+            else:  # int slots: which entries they hit is known on the host
+                held, written = set(self._shadowed[: self._held]), range(slots, slots + q)
+                if not held.isdisjoint(written):
+                    self._refresh(slots, fresh)
+                if held.issuperset(written):
                     return
         count = min(q, self.residual)
         if count == 1:
-            self.residual_values[:, :, :, self._next] = fresh[:, :, :, -1]
+            self.residual_values[:, :, self._next] = fresh[:, :, -1]
             self.residual_slots[:, :, self._next] = slots + q - 1 if isinstance(slots, int) else slots[..., -1]
         else:
             ring = (self._next + torch.arange(count, device=self.device)) % self.residual
@@ -303,10 +326,25 @@ class FP8Storage(Storage):
                 tail = torch.arange(slots + q - count, slots + q, device=self.device)
             else:
                 tail = slots[..., q - count :]
-            self.residual_values[:, :, :, ring] = fresh[:, :, :, q - count :]
+            self.residual_values[:, :, ring] = fresh[:, :, q - count :]
             self.residual_slots[:, :, ring] = tail
+        if self._shadowed is not None and isinstance(slots, int):
+            for offset, slot in enumerate(range(slots + q - count, slots + q)):
+                self._shadowed[(self._next + offset) % self.residual] = slot
+        else:
+            self._shadowed = None
         self._next = (self._next + count) % self.residual
         self._held = min(self.residual, self._held + count)
+
+    def _refresh(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
+        """Entries whose slot this write overwrites take the new content (no read-back: a select)."""
+        held = self.residual_slots[:, :, : self._held]
+        match = _shadowing(held, slots, fresh.shape[-2])  # [batch, heads, held, q]
+        shadowed = match.any(dim=-1)
+        source = match.to(torch.uint8).argmax(dim=-1)
+        current = self.residual_values[:, :, : self._held]
+        new = fresh.gather(2, expand_slots(source, fresh))
+        self.residual_values[:, :, : self._held] = torch.where(shadowed[..., None], new, current)
 
     def _override(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``out`` (decoded ``slots``: ``[n]`` or ``[batch, heads, n]``) with residual slots made native."""
@@ -315,13 +353,22 @@ class FP8Storage(Storage):
         match = wanted.unsqueeze(-1) == held.unsqueeze(-2)  # [batch, heads, n, held]
         found = match.any(dim=-1)
         entry = match.to(torch.uint8).argmax(dim=-1)
-        native = self.residual_values[:, :, :, : self._held].gather(3, _expand(entry, out))
-        return torch.where(found[None, ..., None], native, out)
+        native = self.residual_values[:, :, : self._held].gather(2, expand_slots(entry, out))
+        return torch.where(found[..., None], native, out)
 
 
-def _expand(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A slot index (``[n]`` or ``[batch, heads, n]``) broadcast to ``like``'s ``[2, batch, heads, *, last]``."""
-    return expand_slots(slots, like[0]).unsqueeze(0).expand(like.shape[0], -1, -1, -1, -1)
+@dataclass(frozen=True)
+class FP8Factory:
+    """Builds one layer's :class:`FP8Storage`; its repr is the call that made it."""
+
+    residual: int
+    dtype: str
+
+    def __call__(self) -> FP8Storage:
+        return FP8Storage(self.residual, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"FP8Storage.factory(residual={self.residual}, dtype={self.dtype!r})"
 
 
 def _shadowing(held: torch.Tensor, slots: SlotIndex, q: int) -> torch.Tensor:

@@ -8,24 +8,25 @@ from .base import SlotIndex, Storage, expand_slots
 
 
 class NativeStorage(Storage):
-    """Two pre-allocated tensors ``[batch, kv_heads, capacity, head_dim]`` in the model's dtype."""
+    """Two pre-allocated tensors ``[batch, kv_heads, capacity, head_dim]`` in the model's dtype
+    (the values' ``head_dim`` is their own)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+    def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, head_dim = like.shape
         self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
         self.keys = like.new_zeros(batch, heads, capacity, head_dim)
-        self.values = like.new_zeros(batch, heads, capacity, head_dim)
+        self.values = like.new_zeros(batch, heads, capacity, value_dim or head_dim)
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
         old_keys, old_values, used = self.keys, self.values, self.capacity
-        self.allocate(old_keys, capacity)
+        self.allocate(old_keys, capacity, value_dim=old_values.shape[-1])
         self.keys[:, :, :used] = old_keys
         self.values[:, :, :used] = old_values
 

@@ -1,0 +1,64 @@
+"""No decode step of any registered policy x storage reads a value back from the device.
+
+Each case prefills past the policy's budget (so decode steps evict), then runs decode steps
+under :class:`host_sync.HostSyncGuard`; any read of a device-side value from hf-kvpolicies code
+fails the test with where it happened. New policies are covered as soon as they are registered:
+they are built with ``budget_parameters`` (every bounded policy implements it).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from host_sync import guarded, mark
+from tiny_models import random_ids, tiny_gemma3, tiny_llama
+
+from hf_kvpolicies import available_policies
+from hf_kvpolicies.specs import policy_constructor
+
+BUDGET = 8
+PROMPT = 14
+DECODE_STEPS = 4
+STORAGES = ("native", "fp8")
+
+
+def cases():
+    for name in available_policies():
+        takes_storage = "storage" in inspect.signature(policy_constructor(name)).parameters
+        for storage in STORAGES if takes_storage else (None,):
+            yield pytest.param(name, storage, id=f"{name}-{storage or 'own'}")
+
+
+def build(model, name: str, storage: str | None):
+    constructor = policy_constructor(name)
+    kwargs = dict(constructor.budget_parameters(BUDGET) or {})
+    if storage is not None:
+        kwargs["storage"] = storage
+    return constructor(model, **kwargs)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize(("name", "storage"), list(cases()))
+@torch.no_grad()
+def test_decode_steps_read_nothing_back_from_the_device(name, storage, make_model, padded, monkeypatch, one_thread):
+    model = make_model()
+    cache = build(model, name, storage)
+    ids = mark(random_ids(2, PROMPT + DECODE_STEPS))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    mask = mark(mask)
+    with guarded(model, monkeypatch) as guard:
+        try:
+            model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], cache=cache)
+        except NotImplementedError as error:
+            assert padded and "padded" in str(error)  # a policy that refuses padded batches says so at prefill
+            return
+        guard.strict = True
+        for t in range(PROMPT, PROMPT + DECODE_STEPS):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache)
+    assert cache.get_seq_length() == PROMPT + DECODE_STEPS
+    assert not guard.reads, "decode steps read device values back to the host:\n" + "\n".join(sorted(set(guard.reads)))
