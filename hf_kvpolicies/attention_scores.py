@@ -29,11 +29,12 @@ queries that way, so only those are accepted, checked when the cache is built.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from .cache import PolicyCache
 from .masks import MASK_FORMATS, decoder_of
@@ -54,30 +55,40 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
         raise ValueError(
-            f"H2OCache rebuilds the queries of {', '.join(SERVED_MODEL_TYPES)} attention; {model_type!r} "
-            "may compute its queries differently: use a policy that needs no attention scores (window, sink)"
+            f"a query-scored cache (H2O, SnapKV, TOVA) rebuilds the queries of {', '.join(SERVED_MODEL_TYPES)} attention; {model_type!r} "
+            "may compute its queries differently: use a policy that needs no attention scores (window, sink, knorm)"
         )
     layers = getattr(decoder_of(model), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers) with attention H2OCache can see")
+        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers) with attention a query-scored cache (H2O, SnapKV, TOVA) can see")
     modules = []
     for index, layer in enumerate(layers):
         module = getattr(layer, "self_attn", None)
         missing = [name for name in ("q_proj", "head_dim", "scaling", "layer_idx") if not hasattr(module, name)]
         if missing:
             raise ValueError(
-                f"layer {index} of {type(model).__name__} has no attention module H2OCache can serve "
+                f"layer {index} of {type(model).__name__} has no attention module a query-scored cache (H2O, SnapKV, TOVA) can serve "
                 f"(missing {', '.join(missing)} on {type(module).__name__}): it reads the queries from q_proj"
             )
         norm = getattr(module, "q_norm", None)
         if norm is not None and tuple(getattr(norm, "weight", torch.empty(0)).shape) != (module.head_dim,):
-            raise ValueError(f"layer {index}: H2OCache serves a q_norm over the head dimension only")
+            raise ValueError(f"layer {index}: a query-scored cache (H2O, SnapKV, TOVA) serves a q_norm over the head dimension only")
         if getattr(module, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"layer {index}: H2OCache does not score softcapped attention logits")
+            raise ValueError(f"layer {index}: a query-scored cache (H2O, SnapKV, TOVA) does not score softcapped attention logits")
         if getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None) is None:
             raise ValueError(f"{type(module).__name__}'s modeling file has no apply_rotary_pos_emb to rotate queries")
         modules.append(module)
     return modules
+
+
+def check_attention_implementation(policy: str, implementation: str) -> None:
+    """Scores are computed beside attention kernels that return no weights: the hooks see the
+    queries of sdpa and eager attention, whose masks they can read; others are refused."""
+    if implementation not in MASK_FORMATS:
+        raise ValueError(
+            f"{policy} needs attention implementation 'sdpa' or 'eager' to see the queries (the model uses "
+            f"{implementation!r}): call model.set_attn_implementation('sdpa') before building the cache"
+        )
 
 
 def attach_query_hook(model: nn.Module) -> None:
@@ -105,6 +116,21 @@ def detach_query_hook(model: nn.Module) -> None:
     setattr(decoder, HOOK_ATTRIBUTE, None)
 
 
+def query_receiver(cache: object, layer_idx: int) -> QueryReceiver | None:
+    """Who takes the queries of layer ``layer_idx`` in the cache's next forward, if anyone.
+
+    A :class:`PolicyCache` layer's retention when it ``needs_queries``; for any other
+    ``transformers.Cache``, a layer that has ``receive_query`` itself (KVzip's reconstruction
+    replays the context through such a cache). Every other cache gets ``None``: the hooks stay inert.
+    """
+    if isinstance(cache, PolicyCache):
+        retention = cache.layers[layer_idx].retention
+        return retention.receive_query if getattr(retention, "needs_queries", False) else None
+    if isinstance(cache, Cache):
+        return getattr(cache.layers[layer_idx], "receive_query", None)
+    return None
+
+
 class _QueryTap:
     """The two hooks of one attention module and what passes from the first to the second."""
 
@@ -121,17 +147,10 @@ class _QueryTap:
         if cache is None:
             cache = kwargs.get("past_key_values")  # the name before transformers 5.40
         self.receiver = None
-        if not isinstance(cache, PolicyCache):
-            return
-        receiver = getattr(cache.layers[module.layer_idx].retention, "receive_query", None)
+        receiver = query_receiver(cache, module.layer_idx)
         if receiver is None:
             return
-        implementation = module.config._attn_implementation
-        if implementation not in MASK_FORMATS:
-            raise ValueError(
-                f"H2OCache needs attention implementation 'sdpa' or 'eager' (the model uses {implementation!r}): "
-                "call model.set_attn_implementation('sdpa')"
-            )
+        check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
         self.receiver = receiver
         self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         self.mask = kwargs.get("attention_mask")
@@ -153,10 +172,45 @@ class _QueryTap:
         receiver(query, module.scaling, mask)
 
 
-def sees_every_key(attention_mask: torch.Tensor) -> bool:
-    """True when the last query may attend to every key (no padding in a full-attention mask)."""
-    last = attention_mask[..., -1, :]
-    return bool(last.all()) if last.dtype == torch.bool else bool((last == 0).all())
+def attention_chunks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    key_mask: torch.Tensor | None = None,
+    chunk_elements: int | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Causal softmax probabilities of ``query`` over ``keys``, a chunk of queries at a time.
+
+    ``query`` is ``[batch, query_heads, q, head_dim]``, ``keys`` ``[batch, kv_heads, k, head_dim]``;
+    query ``i`` sits at key index ``first_new + i`` and sees keys up to it. ``key_mask``
+    (``[batch, kv_heads, k]`` bool, optional) hides keys that hold no token (padding). Yields
+    ``(start, stop, probs)`` with fp32 ``probs[batch, kv_heads, groups, stop - start, end]`` over
+    the first ``end = first_new + stop`` keys only (the later ones are in every query's future:
+    a long prompt's scores cost half a full query x key product). Chunks hold at most
+    ``chunk_elements`` (default :data:`SCORE_CHUNK_ELEMENTS`) probabilities; the arithmetic
+    follows transformers' eager attention (``q @ k^T * scaling``, then an fp32 softmax).
+    """
+    batch, query_heads, length, head_dim = query.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[2]
+    groups = query_heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
+    step = max(1, (chunk_elements or SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
+    for start in range(0, length, step):
+        stop = min(length, start + step)
+        end = min(key_count, first_new + stop)
+        rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
+        logits = (torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)) * scaling).view(
+            batch, kv_heads, groups, stop - start, end
+        )
+        if key_mask is not None:  # the lowest finite logit: a query that sees only pads stays finite
+            hidden = ~key_mask[:, :, None, None, :end]
+            logits = logits.masked_fill(hidden, torch.finfo(logits.dtype).min)
+        if first_new + start + 1 < end:  # a key lies after the chunk's first query
+            key_index = torch.arange(end, device=keys.device)
+            query_index = first_new + torch.arange(start, stop, device=keys.device)
+            logits = logits.masked_fill(key_index > query_index[:, None], float("-inf"))
+        yield start, stop, torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def accumulated_attention(
@@ -165,34 +219,53 @@ def accumulated_attention(
     scaling: float,
     first_new: int,
     chunk_elements: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax probability received by each key, summed over queries and the query heads of its KV head.
 
-    ``query`` is ``[batch, query_heads, q, head_dim]``, ``keys`` ``[batch, kv_heads, k, head_dim]``;
-    query ``i`` sits at key index ``first_new + i`` and sees keys up to it (causal). Returns fp32
-    ``[batch, kv_heads, k]``. Queries are processed in chunks of at most ``chunk_elements``
-    (default :data:`SCORE_CHUNK_ELEMENTS`) probabilities, so the full query x key matrix of a
-    long prompt is never held at once; the arithmetic follows transformers' eager attention
-    (``q @ k^T * scaling``, then an fp32 softmax).
+    Arguments as in :func:`attention_chunks`; ``query_mask`` (``[batch, q]`` bool, optional)
+    drops the queries of pads. Returns fp32 ``[batch, kv_heads, k]``; the full query x key
+    matrix of a long prompt is never held at once.
     """
-    batch, query_heads, length, head_dim = query.shape
-    kv_heads, key_count = keys.shape[1], keys.shape[2]
-    groups = query_heads // kv_heads
-    keys_t = keys.transpose(-1, -2)
-    if length == 1 and first_new + 1 >= key_count:  # a decode step (the hot path): no mask, no chunks
-        logits = torch.matmul(query.reshape(batch, kv_heads, groups, head_dim), keys_t) * scaling
-        return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
-    grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
-    step = max(1, (chunk_elements or SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
-    total = None
-    for start in range(0, length, step):
-        stop = min(length, start + step)
-        rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
-        logits = (torch.matmul(rows, keys_t) * scaling).view(batch, kv_heads, groups, stop - start, key_count)
-        if first_new + start + 1 < key_count:  # a key lies after the chunk's first query
-            key_index = torch.arange(key_count, device=keys.device)
-            query_index = first_new + torch.arange(start, stop, device=keys.device)
-            logits = logits.masked_fill(key_index > query_index[:, None], float("-inf"))
-        part = torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=(2, 3))
-        total = part if total is None else total + part
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=False)
+
+
+def max_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    chunk_elements: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest softmax probability each key receives from any query, over the query heads of
+    its KV head (KVzip's statistic). Arguments as in :func:`accumulated_attention`; returns fp32
+    ``[batch, kv_heads, k]``, 0 for keys that no query sees (pads, the queries' future)."""
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=True)
+
+
+def received_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    first_new: int,
+    chunk_elements: int | None,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    largest: bool,
+) -> torch.Tensor:
+    """Each key's probabilities over the queries and the query heads of its KV head, chunk by
+    chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either)."""
+    batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
+    total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
+    for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
+        if query_mask is not None:
+            probs = probs * query_mask[:, None, None, start:stop, None]
+        seen = total[..., : probs.shape[-1]]
+        if largest:
+            torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
+        else:
+            seen += probs.sum(dim=(2, 3))
     return total

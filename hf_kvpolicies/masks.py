@@ -95,7 +95,11 @@ def exact_masks(cache, padding: torch.Tensor, query_length: int, config, dtype: 
             f"a padded batch with {type(cache).__name__} needs attention_implementation 'sdpa' or 'eager' "
             f"(the model uses {implementation!r}): call model.set_attn_implementation('sdpa'), or run rows one at a time"
         )
-    return masks_by_layer_type(cache, lambda retention: allowed_keys(retention, padding, query_length), implementation, dtype)
+    heads = config.num_attention_heads
+    groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    return masks_by_layer_type(
+        cache, lambda retention: allowed_keys(retention, padding, query_length, groups), implementation, dtype
+    )
 
 
 def masks_by_layer_type(cache, allowed: Callable[[Any], torch.Tensor], implementation: str, dtype: torch.dtype):
@@ -110,10 +114,17 @@ def masks_by_layer_type(cache, allowed: Callable[[Any], torch.Tensor], implement
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
-def allowed_keys(retention, padding: torch.Tensor, query_length: int) -> torch.Tensor:
-    """Boolean ``[batch, 1, q, kv]``: causal, the retention's visibility, and no pads."""
+def allowed_keys(retention, padding: torch.Tensor, query_length: int, groups: int = 1) -> torch.Tensor:
+    """Boolean ``[batch, 1, q, kv]``: causal, the retention's visibility, and no pads.
+
+    A layout whose positions differ per KV head (scored eviction: ``key_positions`` is
+    ``[batch, kv_heads, kv]``) gets ``[batch, query_heads, q, kv]``, each KV head's mask repeated
+    for its ``groups`` query heads (sdpa and eager both take a per-head mask).
+    """
     device = padding.device
     key_pos = retention.key_positions(query_length)
+    if key_pos.dim() == 3:
+        return _per_head_allowed(retention, padding, key_pos.to(device), query_length, groups)
     query_pos = torch.arange(retention.seen, retention.seen + query_length)
     causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
     allowed = (causal & retention.visible(query_pos, key_pos)).to(device)
@@ -123,6 +134,14 @@ def allowed_keys(retention, padding: torch.Tensor, query_length: int) -> torch.T
     # producing NaN; its output is never used
     empty = ~allowed.any(dim=-1, keepdim=True)
     return (allowed | empty)[:, None]
+
+
+def _per_head_allowed(retention, padding: torch.Tensor, key_pos: torch.Tensor, query_length: int, groups: int):
+    query_pos = torch.arange(retention.seen, retention.seen + query_length, device=key_pos.device)
+    causal = (key_pos[:, :, None, :] <= query_pos[:, None]) & (key_pos[:, :, None, :] >= 0)
+    is_token = retention.real_keys(padding.to(dtype=torch.bool), key_pos)
+    allowed = (causal & is_token[:, :, None, :]).repeat_interleave(groups, dim=1)
+    return allowed | ~allowed.any(dim=-1, keepdim=True)  # a pad query attends to everything, not to nothing
 
 
 def to_attention_format(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:

@@ -36,7 +36,12 @@ def test_chunked_scores_equal_unchunked(monkeypatch):
         sizes.clear()
         chunked = accumulated_attention(query, keys, 0.35, first_new=13, chunk_elements=chunk_elements)
         per_chunk = 5 if chunk_elements > 1 else 1
-        assert max(sizes) == 2 * 6 * 50 * per_chunk and len(sizes) == -(-37 // per_chunk)
+        # each chunk's softmax spans only the keys up to its last query (the later ones are its future)
+        expected_sizes = [
+            2 * 6 * (min(37, start + per_chunk) - start) * (13 + min(37, start + per_chunk))
+            for start in range(0, 37, per_chunk)
+        ]
+        assert sizes == expected_sizes and sum(sizes) < 0.7 * 2 * 6 * 37 * 50
         torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=0)
 

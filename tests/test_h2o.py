@@ -207,31 +207,6 @@ def test_beam_search():
     assert cache.layers[2].retention.kept_positions().shape == (2, 1, 8)  # both beams at the budget
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_left_padding_is_rejected(implementation):
-    model = tiny_llama()
-    model.set_attn_implementation(implementation)
-    ids = random_ids(2, 12)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    with pytest.raises(NotImplementedError, match="padded batches"):
-        model.generate(ids, attention_mask=mask, cache=H2OCache(model, heavy=4, recent=4), max_new_tokens=4)
-    # padding that appears only after the prompt: the exact-mask hook refuses H2O layouts too
-    cache = H2OCache(model, heavy=4, recent=4)
-    with torch.no_grad():
-        model(ids, cache=cache)
-        decode_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-        with pytest.raises(NotImplementedError, match="padded batches"):
-            model(random_ids(2, 1), attention_mask=decode_mask, cache=cache)
-        # a 4-D mask hiding a kept key from the query is refused as well (the scores assume none is hidden)
-        hidden = torch.ones(2, 1, 1, cache.stored_tokens() + 1, dtype=torch.bool)
-        hidden[:, :, :, 0] = False
-        if implementation == "eager":
-            hidden = torch.zeros(hidden.shape).masked_fill(~hidden, torch.finfo(torch.float32).min)
-        with pytest.raises(NotImplementedError, match="padded batches"):
-            model(random_ids(2, 1), attention_mask=hidden, cache=cache)
-
-
 def test_fractions_are_fixed_at_prefill():
     model = tiny_llama()
     cache = H2OCache(model, heavy=0.25, recent=0.25)

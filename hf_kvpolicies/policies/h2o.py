@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from ..attention_scores import attach_query_hook
-from ..cache import PolicyCache
 from ..retention.h2o import H2ORetention
 from ..storage import StorageFactory
 from ..validation import check_tokens_or_fraction
+from .scored import LayerBudgets, ScoredCache
 
 
-class H2OCache(PolicyCache):
+class H2OCache(ScoredCache):
     """H2O (Zhang et al., 2023) inside an unmodified ``model.generate()``.
 
     Per layer and KV head, keeps the ``recent`` most recent tokens plus the ``heavy`` tokens with
@@ -26,8 +25,9 @@ class H2OCache(PolicyCache):
     pre-hook on the attention modules (see :mod:`hf_kvpolicies.attention_scores`), installed once
     per model and inert for every other cache; it works with ``sdpa`` and ``eager``.
 
-    Left-padded batches are rejected with ``NotImplementedError``; beam search reorders the
-    scores with the keys. The model's own sliding-window layers (Gemma 3) keep the model window.
+    Left-padded batches keep, per row, what the row keeps alone (pads are never kept); beam
+    search reorders the scores with the keys. The model's own sliding-window layers (Gemma 3)
+    keep the model window. ``layer_budgets`` shares ``heavy + recent`` per layer among layers.
     """
 
     def __init__(
@@ -35,15 +35,15 @@ class H2OCache(PolicyCache):
         model: PreTrainedModel,
         heavy: int | float = 512,
         recent: int | float = 512,
+        layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
     ) -> None:
         check_tokens_or_fraction("heavy", heavy)
         check_tokens_or_fraction("recent", recent)
         if isinstance(heavy, int) and isinstance(recent, int) and heavy + recent < 1:
             raise ValueError(f"heavy + recent must keep at least 1 token, got heavy={heavy}, recent={recent}")
-        attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
         self.heavy, self.recent = heavy, recent
-        super().__init__(model, lambda layout: H2ORetention(heavy, recent), storage=storage)
+        super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from .base import Retention
 from .full import FullRetention
+from .scored import ScoredRetention
 from .window import RingRetention
 
-__all__ = ["FullRetention", "Retention", "RingRetention"]
+__all__ = ["FullRetention", "Retention", "RingRetention", "ScoredRetention"]

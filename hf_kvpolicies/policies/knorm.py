@@ -1,0 +1,41 @@
+"""KNormCache: keep the recent window plus the keys with the lowest L2 norm."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from ..retention.knorm import KNormRetention
+from ..storage import StorageFactory
+from ..validation import check_int
+from .scored import LayerBudgets, ScoredCache
+
+RECENT = 32
+
+
+class KNormCache(ScoredCache):
+    """Key-norm eviction (Devoto et al., 2024) inside an unmodified ``model.generate()``.
+
+    Per layer and KV head, keeps the ``recent`` newest tokens plus the ``budget - recent`` others
+    whose keys have the lowest L2 norm. It reads no queries and no attention weights, so it works
+    with every attention implementation (``flex_attention`` and ``flash_attention_2`` included;
+    padded batches need ``sdpa`` or ``eager`` for their exact mask).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        budget: int = 1024,
+        recent: int = RECENT,
+        layer_budgets: LayerBudgets = "uniform",
+        storage: str | StorageFactory = "native",
+    ) -> None:
+        check_int("budget", budget, minimum=1)
+        check_int("recent", recent, minimum=0)
+        if recent > budget:
+            raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
+        self.budget, self.recent = budget, recent
+        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        return {"budget": budget, "recent": min(RECENT, budget)}

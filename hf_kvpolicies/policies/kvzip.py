@@ -1,0 +1,134 @@
+"""KVzipCache: the prompt compressed by what its reconstruction attends to, memory really freed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..masks import CACHE_KWARGS, decoder_of
+from ..reconstruction import DEFAULT_CHUNK, RepeatPrompt, check_reconstructable, reconstruction_scores
+from ..retention.kvzip import KVzipRetention
+from ..storage import StorageFactory
+from ..validation import check_int
+from .scored import LayerBudgets, ScoredCache
+
+IDS_HOOK_ATTRIBUTE = "_hf_kvpolicies_kvzip_ids_hook"
+
+
+class KVzipCache(ScoredCache):
+    """KVzip (Kim et al., 2025) inside an unmodified ``model.generate()``.
+
+    When the first forward (the prompt) has ended, the model is made to repeat it (the paper's
+    repeat instruction, the tokenizer's answer opening, then the prompt, ``chunk`` tokens per
+    forward) over the prompt's keys, and each prompt token is scored by the largest attention it
+    receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps, per
+    row and KV head, its ``recent`` newest tokens plus the best-scoring others, ``budget`` in all:
+    the rest is freed, and the storage holds ``budget + 1`` slots per layer from then on.
+    ``layer_budgets="adaptive"`` (the paper's choice) lets the layers' tokens compete for the
+    total, ``"uniform"`` gives every layer ``budget``, ``"pyramid"`` more to lower layers.
+
+    Decoding then evicts one token per row and head per step: a kept token's score can only grow
+    with the attention later queries give it (the maximum, as for the reconstruction), and a new
+    token is never evicted while among the ``recent`` newest. The prompt costs a second pass
+    (about 2-3x the prefill's work, once per prompt); decode steps cost what H2O's do.
+
+    The repeat prompt is written with ``tokenizer`` (default: the one saved with the model). The
+    prompt must come as ``input_ids``. Left-padded batches give each row what it keeps alone;
+    beams reorder the scores. Models with sliding-window layers, and attention whose queries
+    cannot be rebuilt, are refused at construction.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        budget: int = 1024,
+        recent: int = 8,
+        layer_budgets: LayerBudgets = "adaptive",
+        chunk: int = DEFAULT_CHUNK,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        storage: str | StorageFactory = "native",
+    ) -> None:
+        check_int("budget", budget, 1)
+        check_int("recent", recent, 0)
+        check_int("chunk", chunk, 1)
+        if recent >= budget:
+            raise ValueError(
+                f"recent={recent} must be below budget={budget}: the budget holds the recent window plus the "
+                "best-scoring prompt tokens; lower recent or raise budget"
+            )
+        check_reconstructable(model)
+        self.prompt = RepeatPrompt.from_tokenizer(tokenizer if tokenizer is not None else saved_tokenizer(model))
+        self.chunk = chunk
+        self._model = model
+        self.context_ids: torch.Tensor | None = None
+        """The first forward's ``input_ids`` (seen by a decoder pre-hook), until its reconstruction."""
+        self.reconstructed = False
+        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
+        for retention in self.scored_layers():
+            retention.defers_trim = True  # the first forward waits for its reconstruction scores
+        attach_ids_hook(model)
+
+    def finish_prefill(self) -> None:
+        """After the first forward, score its tokens by their reconstruction; then trim as usual."""
+        if not self.reconstructed and self.context_ids is not None:
+            self.reconstructed = True
+            self._score_by_reconstruction()
+        super().finish_prefill()
+
+    def _score_by_reconstruction(self) -> None:
+        layers = [(layer.retention, layer.storage) for layer in self.layers]
+        held = []
+        for retention, storage in layers:
+            if retention.pending is not None:  # the prompt exceeded the budget: everything is pending
+                held.append((retention.pending.keys, retention.pending.values, retention.pending.positions))
+            else:  # the prompt fits: stored in order, one slot per position
+                keys, values = storage.read(retention.live)
+                held.append((keys, values, retention.positions[..., : retention.live]))
+        padding = held[0][2][:, 0] >= 0
+        scores = reconstruction_scores(
+            self._model, [(keys, values) for keys, values, _ in held], self.context_ids, self.prompt, padding, self.chunk
+        )
+        self.context_ids = None
+        for (retention, _), score in zip(layers, scores):
+            retention.take_reconstruction(score)
+            retention.defers_trim = retention.pending is not None  # only the prompt waits for the cache
+
+    def reset(self) -> None:
+        super().reset()
+        self.context_ids, self.reconstructed = None, False
+        for retention in self.scored_layers():
+            retention.defers_trim = True
+
+
+def saved_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside the model's weights (where ``from_pretrained`` found them)."""
+    source = getattr(model.config, "name_or_path", "") or ""
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"KVzipCache writes its repeat prompt with the model's tokenizer, and none loads from "
+            f"model.config.name_or_path={source!r} ({type(error).__name__}): pass tokenizer=..."
+        ) from None
+
+
+def attach_ids_hook(model: nn.Module) -> None:
+    """Install, once per model, the decoder pre-hook that shows a KVzipCache its prompt's ids."""
+    decoder = decoder_of(model)
+    if getattr(decoder, IDS_HOOK_ATTRIBUTE, None) is None:
+        setattr(decoder, IDS_HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(_record_ids, with_kwargs=True))
+
+
+def _record_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+    if not isinstance(cache, KVzipCache) or cache.reconstructed or cache.get_seq_length() > 0:
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        raise ValueError(
+            "KVzipCache reconstructs the prompt from its token ids: call the model with input_ids, not inputs_embeds"
+        )
+    cache.context_ids = ids

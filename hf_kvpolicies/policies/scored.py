@@ -1,0 +1,119 @@
+"""ScoredCache: the cache side of every score-based eviction policy (H2O, SnapKV, TOVA, KNorm).
+
+It builds one :class:`~hf_kvpolicies.retention.scored.ScoredRetention` per governed layer, installs
+the hooks the statistic needs (the query hooks of :mod:`hf_kvpolicies.attention_scores` when it
+reads queries; the finishing hook always), and shares the budget among layers
+(``layer_budgets``: ``"uniform"``, ``"pyramid"`` or ``"adaptive"``).
+
+**The finishing hook.** A forward hook on the decoder, installed once per model and inert for
+every other cache, calls :meth:`ScoredCache.finish_prefill` after each forward. Layers whose
+retention deferred its trim (adaptive budgets need every layer's scores first) hold a
+:class:`~hf_kvpolicies.retention.scored.Pending` then; ``finish_prefill`` calls
+:meth:`ScoredCache.rescore` with them (a subclass, e.g. KVzip, may run a reconstruction pass over
+``pending.keys``/``pending.values`` and replace ``pending.scores``), decides the layer budgets and
+trims every layer. Setting ``defer_every_prefill = True`` in a subclass makes every over-budget
+forward wait for it, not only the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..attention_scores import attach_query_hook, check_attention_implementation
+from ..cache import PolicyCache
+from ..masks import CACHE_KWARGS, decoder_of
+from ..model_layout import layer_layouts
+from ..retention.layer_budgets import adaptive_budgets, pyramid_budgets
+from ..retention.scored import Pending, ScoredRetention
+from ..storage import StorageFactory
+from ..validation import check_choice
+
+LayerBudgets = Literal["uniform", "pyramid", "adaptive"]
+LAYER_BUDGETS = ("uniform", "pyramid", "adaptive")
+HOOK_ATTRIBUTE = "_hf_kvpolicies_finish_hook"
+
+
+class ScoredCache(PolicyCache):
+    """A :class:`PolicyCache` whose governed layers each hold a scored retention from ``retention()``."""
+
+    defer_every_prefill = False
+    """True in a subclass whose every over-budget forward needs the cache-level step (KVzip)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        retention: Callable[[], ScoredRetention],
+        layer_budgets: LayerBudgets = "uniform",
+        storage: str | StorageFactory = "native",
+    ) -> None:
+        try:
+            check_choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
+        except ValueError as error:
+            raise ValueError(f"{error}: write layer_budgets='uniform', 'pyramid' or 'adaptive'") from None
+        if retention().needs_queries:
+            check_attention_implementation(type(self).__name__, model.config._attn_implementation)
+            attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
+        governed = [layout.index for layout in layer_layouts(model) if not layout.is_sliding]
+
+        def make(layout) -> ScoredRetention:
+            layer = retention()
+            if layer_budgets == "pyramid":
+                index, count = governed.index(layout.index), len(governed)
+                layer.layer_budget = lambda budget, protected: pyramid_budgets(budget, protected, count)[index]
+            layer.defers_trim = layer_budgets == "adaptive" or self.defer_every_prefill
+            return layer
+
+        self.layer_budgets = layer_budgets
+        super().__init__(model, make, storage=storage)
+        attach_finish_hook(model)
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """A budget of ``budget`` kept tokens per layer (the protected ones included)."""
+        return {"budget": budget}
+
+    def scored_layers(self) -> list[ScoredRetention]:
+        return [layer.retention for layer in self.layers if isinstance(layer.retention, ScoredRetention)]
+
+    def rescore(self, pending: list[Pending]) -> None:
+        """Replace the scores of the layers waiting for their trim (nothing by default; KVzip's pass)."""
+
+    def finish_prefill(self) -> None:
+        """Trim every layer that waits for the cache-level step (called after each forward)."""
+        waiting = [layer for layer in self.layers if getattr(layer.retention, "pending", None) is not None]
+        if not waiting:
+            return
+        retentions = [layer.retention for layer in waiting]
+        self.rescore([retention.pending for retention in retentions])
+        budgets = [retention.budget for retention in retentions]
+        if self.layer_budgets == "adaptive" and len(waiting) == len(self.scored_layers()):
+            reserve = [max(1, retention.protected) for retention in retentions]
+            candidates = [retention.candidate_scores() for retention in retentions]
+            budgets = adaptive_budgets(candidates, reserve, sum(budgets))
+        for layer, budget in zip(waiting, budgets):
+            layer.retention.defers_trim = self.defer_every_prefill
+            layer.retention.finish(layer.storage, budget)
+
+    def layer_budget_sizes(self) -> list[int | None]:
+        """Each scored layer's budget (``None`` until the first forward fixes it)."""
+        return [retention.budget for retention in self.scored_layers()]
+
+
+def attach_finish_hook(model: nn.Module) -> None:
+    """Install the decoder's finishing hook once per model (idempotent)."""
+    decoder = decoder_of(model)
+    if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
+        setattr(decoder, HOOK_ATTRIBUTE, decoder.register_forward_hook(_finish_hook, with_kwargs=True))
+
+
+def _finish_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+    if isinstance(cache, ScoredCache):
+        with torch.no_grad():
+            cache.finish_prefill()
+

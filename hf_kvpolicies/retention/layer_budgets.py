@@ -1,0 +1,64 @@
+"""How a total budget of kept tokens is shared among layers: uniform, pyramid or adaptive.
+
+Every rule keeps the total (layers x the uniform budget) and leaves each layer at least its
+protected tokens (and at least one token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PYRAMID_BETA = 20
+"""PyramidKV's steepness: the last layer gets ``1 / beta`` of the uniform share of evictable tokens."""
+
+
+def pyramid_budgets(budget: int, protected: int, layers: int, beta: int = PYRAMID_BETA) -> list[int]:
+    """PyramidKV (Cai et al., 2024): the evictable part of each layer's budget (``budget - protected``)
+    decreases linearly from the first layer (twice the uniform share minus the last's) to the last
+    (the uniform share / ``beta``); every layer also keeps its ``protected`` tokens. Same total."""
+    spare = budget - protected
+    if layers == 1 or spare <= 0:
+        return [budget] * layers
+    low = spare / beta
+    high = 2 * spare - low
+    shares = [high - i * (high - low) / (layers - 1) for i in range(layers)]
+    counts = _apportion(shares, spare * layers)
+    return [max(1, protected + count) for count in counts]
+
+
+def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int) -> list[int]:
+    """Each layer's budget when the tokens of all layers compete (AdaKV, KVzip).
+
+    ``candidates[l]`` is ``[batch, kv_heads, k_l]`` ranking scores of layer ``l``'s evictable
+    tokens (``-inf`` for the protected ones and pads). Each layer's scores are normalised to sum
+    to one per row (so that no layer wins by the scale of its statistic), the best
+    ``total - sum(reserve)`` tokens per (row, head) of all layers are chosen together, and each
+    layer gets its ``reserve`` plus the tokens it won (rows and heads of one layer share its
+    budget, the storage being one tensor per layer).
+    """
+    normalised = []
+    for scores in candidates:
+        finite = torch.isfinite(scores)
+        mass = torch.where(finite, scores.clamp(min=0), 0).sum(dim=(1, 2), keepdim=True).clamp(min=1e-30)
+        normalised.append(torch.where(finite, scores.clamp(min=0) / mass, float("-inf")).flatten())
+    batch, heads = candidates[0].shape[:2]
+    spare = max(0, total - sum(reserve))
+    everything = torch.cat(normalised)
+    chosen = everything.topk(min(spare * batch * heads, everything.numel())).indices
+    bounds = torch.tensor([0] + [t.numel() for t in normalised]).cumsum(0)
+    won = torch.bucketize(chosen, bounds[1:], right=True).bincount(minlength=len(candidates))
+    finite_won = [int(n) for n in won]  # plain ints: decided once per prompt, on the host
+    counts = _apportion([n / (batch * heads) for n in finite_won], spare)
+    limits = [scores.shape[-1] for scores in candidates]
+    return [min(limit, r + c) for limit, r, c in zip(limits, reserve, counts)]
+
+
+def _apportion(shares: list[float], total: int) -> list[int]:
+    """Integers summing to ``total`` (largest remainders), proportional to ``shares``."""
+    scale = total / sum(shares) if sum(shares) > 0 else 0.0
+    exact = [share * scale for share in shares]
+    counts = [int(value) for value in exact]
+    order = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts

@@ -1,0 +1,403 @@
+"""Scored retention: the machinery every score-based eviction policy shares.
+
+A policy is its statistic: a subclass sets :attr:`ScoredRetention.needs_queries` and implements
+:meth:`ScoredRetention.score` (and, if it smooths scores before a trim, ``selection_scores``);
+everything else lives here, once (the way kvpress separates a press's ``score()`` from its top-k).
+
+Layout, per row and KV head: ``budget + 1`` slots holding their own set of positions, so
+positions and scores are ``[batch, kv_heads, slots]`` and writes address
+``LongTensor[batch, kv_heads, 1]`` slots. While the cache fills, tokens append. Once ``budget``
+tokens are kept, a decode step writes its token *in place* into the free slot, attention reads
+every slot (the kept tokens and the new one), the statistic updates the scores, and the
+lowest-scoring token outside the ``protected`` newest positions is evicted: its slot becomes the
+free slot of the next step. All of this stays on the device; the host keeps only plain ints.
+
+A multi-token forward that does not fit (a prompt longer than the budget, a later chunk) is
+attended in full (kept tokens, then the new ones, under causal attention), scored (in query
+chunks) and trimmed to the protected tokens plus the best-scoring others.
+
+**Finishing a prefill at the cache level** (adaptive layer budgets, KVzip). When
+:attr:`defers_trim` is true, such a forward scores but does not trim: the layer keeps a
+:class:`Pending` (every key, value, position and score of the forward) until the cache calls
+:meth:`finish` with the layer's budget. :class:`~hf_kvpolicies.policies.scored.ScoredCache` does
+that from a forward hook on the decoder, once every layer has scored: its ``finish_prefill``
+first calls ``rescore(pending)`` (a subclass may replace each layer's ``pending.scores``, e.g. by
+a reconstruction pass run over ``pending.keys``/``pending.values``), then sets the layer budgets,
+then trims every layer. Each layer's storage is allocated at its first trim (or first append) with
+``budget + 1`` slots, so it is sized to that layer's own budget.
+
+Padded batches: the exact-mask hook shows each forward's 2-D padding (:meth:`observe_padding`);
+pad tokens get position ``-1`` (an empty slot: masked by position, scored ``-inf``, evicted first)
+and their queries score nothing, so a left-padded row keeps what it keeps alone.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..storage import Storage
+from ..storage.base import SlotIndex, expand_slots
+from .base import Retention
+
+
+@dataclass
+class Attended:
+    """What one forward attends to, handed to :meth:`ScoredRetention.score`.
+
+    ``keys`` are the keys attention sees (``[batch, kv_heads, k, head_dim]``); query ``i`` of the
+    ``q`` new ones sits at key index ``first_new + i`` for causality; ``new_keys`` are the
+    incoming keys as the model computed them (before any storage rounding), held at ``new_slots``
+    of ``keys`` (a start index, or ``[batch, kv_heads, 1]`` for a decode step written in place);
+    ``query`` is ``None`` for statistics that need no queries.
+    ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real).
+    """
+
+    keys: torch.Tensor
+    new_keys: torch.Tensor
+    first_new: int
+    new_slots: SlotIndex
+    query: torch.Tensor | None = None
+    scaling: float = 1.0
+    key_mask: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+
+    @property
+    def q(self) -> int:
+        return self.keys.shape[-2] - self.first_new
+
+
+@dataclass
+class Pending:
+    """A scored forward waiting for its trim: every key it attended to, with positions and scores."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ScoredRetention(Retention):
+    """Per-(row, KV head) slots, positions and scores; one in-place eviction per decoded token."""
+
+    needs_queries = True
+    """True when :meth:`score` reads the queries (the q_proj hook then hands them over)."""
+
+    def __init__(self, budget: int, protected: int = 0) -> None:
+        super().__init__()
+        self.requested = (budget, protected)
+        self.budget: int | None = None
+        self.protected: int | None = None
+        """Tokens kept per (row, head), and how many of the newest are never evicted; fixed at the
+        first update (:meth:`resolve`), or by the cache (:meth:`finish`) for adaptive budgets."""
+        self.layer_budget: Callable[[int, int], int] | None = None
+        """Set by the cache: maps ``(uniform budget, protected)`` to this layer's budget (pyramid)."""
+        self.defers_trim = False
+        """Set by the cache: an over-budget forward waits for :meth:`finish` instead of trimming."""
+        self.pending: Pending | None = None
+        self.positions: torch.Tensor | None = None
+        """``[batch, kv_heads, slots]`` absolute position held by each slot (``-1``: no token)."""
+        self.scores: torch.Tensor | None = None
+        """``[batch, kv_heads, slots]`` fp32 score of each slot's token (higher stays)."""
+        self.extra: dict[str, torch.Tensor] = {}
+        """The statistic's own per-slot state, each ``[batch, kv_heads, ..., slots]``."""
+        self.free: torch.Tensor | None = None
+        """``[batch, kv_heads, 1]`` slot of the token evicted last, written by the next decode step."""
+        self.has_free = False
+        self.padded = False
+        self._padding: torch.Tensor | None = None
+        self._query: tuple[torch.Tensor, float] | None = None
+
+    # --- what a statistic decides ------------------------------------------------------
+    @abstractmethod
+    def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The scores ``[batch, kv_heads, k]`` of the keys ``seen`` after this forward.
+
+        ``scores`` holds the kept keys' scores (zeros for the new ones) and ``extra`` the
+        statistic's state, both over the same ``k`` keys; ``extra`` may be updated in place.
+        """
+
+    def extra_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Per-slot state the statistic keeps beside the scores (none by default)."""
+        return {}
+
+    def selection_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """What a multi-token trim ranks by (the scores themselves by default)."""
+        return scores
+
+    def resolve(self, prompt: int) -> tuple[int, int]:
+        """``(budget, protected)`` in tokens for a first forward of ``prompt`` tokens."""
+        return self.requested
+
+    # --- the Retention interface --------------------------------------------------------
+    def capacity(self, first_chunk: int) -> int:
+        return self.budget + 1
+
+    @property
+    def max_length(self) -> int:
+        return -1 if self.budget is None else self.budget
+
+    def plan(self, q: int) -> SlotIndex | None:
+        if self.budget is None:
+            return None
+        if self.has_free:
+            return self.free if q == 1 else None
+        return self.live if self.live + q <= self.budget + 1 else None
+
+    def select(self, positions: torch.Tensor) -> torch.Tensor:
+        """Not used: a scored layout trims by score per row and head (:meth:`_keep`)."""
+        raise NotImplementedError(f"{type(self).__name__} trims by score per row and head")
+
+    def observe_padding(self, padding: torch.Tensor) -> None:
+        """The 2-D padding mask of the next forward (seen by the exact-mask hook, prefill included)."""
+        self._padding = padding.to(torch.bool)
+        self.padded = True
+
+    def receive_query(self, query: torch.Tensor, scaling: float, attention_mask: torch.Tensor | None) -> None:
+        """The queries of the forward about to call :meth:`update` (handed over by the q_proj hook)."""
+        self._query = (query, scaling)
+
+    @property
+    def stored(self) -> int:
+        return self.live if self.budget is None else min(self.live, self.budget)
+
+    def returned_length(self, q: int) -> int:
+        slots = self.plan(q)
+        if slots is None:
+            return self._kept_count() + q
+        return self.live if self.has_free else max(self.live, slots + q)
+
+    def key_positions(self, q: int) -> torch.Tensor:
+        """``[batch, kv_heads, k]`` positions of the keys the next update returns, in that order."""
+        new = torch.arange(self.seen, self.seen + q)
+        if self.positions is None:
+            return new.view(1, 1, q)
+        new = new.to(self.positions.device)
+        slots = self.plan(q)
+        if slots is None:
+            kept = self._kept_state()[2]
+            return torch.cat([kept, new.expand(*kept.shape[:2], q)], dim=-1)
+        if self.has_free:
+            return self.positions.scatter(-1, self.free, self.seen)
+        held = self.positions[..., : self.live]
+        return torch.cat([held, new.expand(*held.shape[:2], q)], dim=-1)
+
+    def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, k]``: slots that hold a real token (pads and empty slots hold ``-1``)."""
+        if key_pos.dim() < 3:
+            return super().real_keys(padding, key_pos)
+        batch = padding.shape[0]
+        flat = key_pos.expand(batch, *key_pos.shape[1:]).reshape(batch, -1)
+        return (flat >= 0).view(batch, *key_pos.shape[1:]) & padding.gather(1, flat.clamp(min=0)).view(
+            batch, *key_pos.shape[1:]
+        )
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[batch, kv_heads, kept]`` positions currently kept, ascending (pads as ``-1``, first)."""
+        return self._kept_state()[2].sort(dim=-1).values
+
+    @property
+    def state_nbytes(self) -> int:
+        tensors = [self.positions, self.scores, self.free, *self.extra.values()]
+        return sum(t.nbytes for t in tensors if t is not None)
+
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        batch_index = batch_index.to(self.scores.device)
+        self.positions = self.positions.index_select(0, batch_index)
+        self.scores = self.scores.index_select(0, batch_index)
+        self.free = self.free.index_select(0, batch_index)
+        self.extra = {name: t.index_select(0, batch_index) for name, t in self.extra.items()}
+
+    def reset(self) -> None:
+        super().reset()
+        self.budget = self.protected = None
+        self.positions = self.scores = self.free = self._padding = None
+        self.extra = {}
+        self.pending = None
+        self.has_free = self.padded = False
+        self._query = None
+
+    # --- one update ------------------------------------------------------------------------
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = keys.shape[-2]
+        if q == 0:
+            return keys, values  # lazy initialisation: nothing arrives, nothing to score
+        if self.pending is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a forward arrived before the last one was trimmed; use the cache only with "
+                "the model it was built for (its constructor installs the hook that finishes each forward)"
+            )
+        query, scaling = self._take_query(q) if self.needs_queries else (None, 1.0)
+        if self.budget is None:
+            self.budget, self.protected = self.resolve(keys.shape[-2])
+            if self.layer_budget is not None:
+                self.budget = self.layer_budget(self.budget, self.protected)
+        new_positions = self._new_positions(keys, q)
+        slots = self.plan(q)
+        if slots is None:
+            return self._attend_then_score(storage, keys, values, new_positions, query, scaling)
+        if not storage.is_allocated:
+            self._allocate(storage, keys, self.budget + 1)
+        storage.write(slots, keys, values)
+        self._record(slots, new_positions, q)
+        all_keys, all_values = storage.read(self.live)
+        positions = self.positions[..., : self.live]
+        seen = self._attended(all_keys, keys, slots, query, scaling, positions)
+        extra = {name: t[..., : self.live] for name, t in self.extra.items()}
+        self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
+        if self.live > self.budget:
+            self.free = self._lowest(self.positions, self.scores)
+            self.has_free = True
+        return all_keys, all_values
+
+    def finish(self, storage: Storage, budget: int | None = None) -> None:
+        """Trim the pending forward to ``budget`` (the layer's own, set by the cache) or the current one."""
+        pending, self.pending = self.pending, None
+        if budget is not None:
+            self.budget = budget
+        self._trim(storage, pending)
+
+    # --- internals --------------------------------------------------------------------------
+    def _take_query(self, q: int) -> tuple[torch.Tensor, float]:
+        pending, self._query = self._query, None
+        if pending is None or pending[0].shape[-2] != q:
+            raise RuntimeError(
+                f"{type(self).__name__} received keys without the queries of the same forward: use the cache only "
+                "with the model it was built for (its constructor installs the hook that sees the queries)"
+            )
+        return pending
+
+    def _new_positions(self, keys: torch.Tensor, q: int) -> torch.Tensor:
+        """``[batch, kv_heads, q]`` positions of the new tokens, ``-1`` for pads."""
+        batch, heads = keys.shape[:2]
+        positions = torch.arange(self.seen, self.seen + q, device=keys.device).expand(batch, heads, q)
+        padding = self._padding
+        self._padding = None
+        if padding is None or padding.shape[-1] != self.seen + q:
+            return positions
+        real = padding[:, self.seen :].to(keys.device)
+        return positions.masked_fill(~real[:, None, :], -1)
+
+    def _attended(self, keys, new_keys, slots, query, scaling, positions) -> Attended:
+        q = new_keys.shape[-2]
+        first_new = keys.shape[-2] - q
+        if not self.padded:
+            return Attended(keys, new_keys, first_new, slots, query, scaling)
+        query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
+        return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask)
+
+    def _allocate(self, storage: Storage, like: torch.Tensor, capacity: int) -> None:
+        storage.allocate(like, capacity)
+        batch, heads = like.shape[:2]
+        shape = (batch, heads, storage.capacity)
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=like.device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=like.device)
+        self.free = torch.zeros(batch, heads, 1, dtype=torch.long, device=like.device)
+        self.extra = self.extra_state(batch, heads, storage.capacity, like.device)
+
+    def _record(self, slots: SlotIndex, new_positions: torch.Tensor, q: int) -> None:
+        if isinstance(slots, int):
+            end = slots + q
+            self.positions[..., slots:end] = new_positions
+            self.scores[..., slots:end] = 0
+            for t in self.extra.values():
+                t[..., slots:end] = 0
+            self.live = max(self.live, end)
+        else:
+            self.positions.scatter_(-1, slots, new_positions)
+            self.scores.scatter_(-1, slots, 0.0)
+            for t in self.extra.values():
+                index = slots.view(*slots.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1)
+                t.scatter_(-1, index, 0.0)
+        self.seen += q
+
+    def _kept_count(self) -> int:
+        return self.live - 1 if self.has_free else self.live
+
+    def _kept_index(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, kept]`` slots of kept tokens, or ``None`` when they are ``[0, live)``."""
+        if not self.has_free:
+            return None
+        slots = torch.arange(self.live - 1, device=self.free.device)
+        return slots + (slots >= self.free)
+
+    def _kept_state(self, storage: Storage | None = None):
+        """Keys, values (when ``storage`` is given), positions, scores and extra of the kept tokens."""
+        if self.positions is None:
+            return None, None, torch.empty(1, 1, 0, dtype=torch.long), None, {}
+        index = self._kept_index()
+        if index is None:
+            keys, values = storage.read(self.live) if storage is not None else (None, None)
+            take = lambda t: t[..., : self.live]  # noqa: E731
+        else:
+            keys, values = storage.gather(index) if storage is not None else (None, None)
+            take = lambda t: t.gather(-1, index.view(*index.shape[:2], *[1] * (t.dim() - 3), -1).expand(*t.shape[:-1], -1))  # noqa: E731
+        return keys, values, take(self.positions), take(self.scores), {n: take(t) for n, t in self.extra.items()}
+
+    def _attend_then_score(self, storage, keys, values, new_positions, query, scaling):
+        batch, heads, q = keys.shape[:3]
+        if storage.is_allocated:
+            old_keys, old_values, old_positions, old_scores, old_extra = self._kept_state(storage)
+            all_keys = torch.cat([old_keys, keys], dim=-2)
+            all_values = torch.cat([old_values, values], dim=-2)
+            positions = torch.cat([old_positions, new_positions], dim=-1)
+            scores = torch.cat([old_scores, old_scores.new_zeros(batch, heads, q)], dim=-1)
+            extra = {n: torch.cat([t, t.new_zeros(*t.shape[:-1], q)], dim=-1) for n, t in old_extra.items()}
+        else:
+            all_keys, all_values, positions = keys, values, new_positions
+            scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
+            extra = self.extra_state(batch, heads, q, keys.device)
+        seen = self._attended(all_keys, keys, all_keys.shape[-2] - q, query, scaling, positions)
+        scores = self.score(seen, scores, extra)
+        self.seen += q
+        self.pending = Pending(all_keys, all_values, positions, scores, extra)
+        if not self.defers_trim:
+            self.finish(storage)
+        return all_keys, all_values
+
+    def _trim(self, storage: Storage, pending: Pending) -> None:
+        count = min(self.budget, pending.positions.shape[-1])
+        ranked = self.selection_scores(pending.positions, pending.scores)
+        stay = self._best(pending.positions, ranked, count)
+        if not storage.is_allocated:
+            self._allocate(storage, pending.keys, self.budget + 1)
+        index = expand_slots(stay, pending.keys)
+        storage.write(0, pending.keys.gather(2, index), pending.values.gather(2, index))
+        self.positions[..., :count] = pending.positions.gather(-1, stay)
+        self.positions[..., count:] = -1
+        self.scores[..., :count] = pending.scores.gather(-1, stay)
+        for name, t in self.extra.items():
+            source = pending.extra[name]
+            t[..., :count] = source.gather(-1, stay.view(*stay.shape[:2], *[1] * (t.dim() - 3), -1).expand(*source.shape[:-1], -1))
+        self.live = count
+        self.has_free = False
+
+    def _lowest(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
+        ranked = self._evictable(positions, scores)
+        lowest = ranked == ranked.amin(dim=-1, keepdim=True)
+        return positions.masked_fill(~lowest, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
+
+    def _best(self, positions: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """Indices (ascending) of the ``count`` tokens that stay: the protected ones, then the best
+        scores, the newest position among ties (ties are common after max pooling)."""
+        newest_first = positions.argsort(dim=-1, descending=True, stable=True)
+        ranked = self._evictable(positions, scores).gather(-1, newest_first)
+        best = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+        return newest_first.gather(-1, best).sort(dim=-1).values
+
+    def _evictable(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf."""
+        ranked = scores.masked_fill(positions > self.seen - 1 - self.protected, float("inf"))
+        return ranked.masked_fill(positions < 0, float("-inf"))
+
+    def candidate_scores(self) -> torch.Tensor:
+        """The pending forward's ranking scores with protected tokens and pads at ``-inf``: what
+        an adaptive allocation compares across layers."""
+        pending = self.pending
+        ranked = self._evictable(pending.positions, self.selection_scores(pending.positions, pending.scores))
+        return ranked.masked_fill(ranked == float("inf"), float("-inf"))

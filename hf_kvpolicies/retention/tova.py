@@ -1,0 +1,25 @@
+"""TOVA's statistic (Oren et al., 2024): the attention of the current query alone.
+
+At every step the token the current query attends to least (averaged over the query heads that
+share a KV head) is evicted, the new token included; no window is protected. A prompt longer
+than the budget is trimmed by its last token's attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention_scores import attention_chunks
+from .scored import Attended, ScoredRetention
+
+
+class TOVARetention(ScoredRetention):
+    """The ``budget`` tokens the latest query attends to most, per (row, KV head)."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget, protected=0)
+
+    def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        last = seen.first_new + seen.q - 1
+        _, _, probs = next(attention_chunks(seen.query[:, :, -1:], seen.keys, seen.scaling, last, seen.key_mask))
+        return probs.mean(dim=(2, 3))

@@ -1,0 +1,218 @@
+"""KVzipCache against a naive KVzip written from the paper's definition, plus budgets, padding, beams, memory."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import greedy, prefill_then_decode
+from test_h2o import peaked
+from test_reconstruction import reference_scores
+from test_scored import SCHEDULES, naive_eviction, run_cache
+from tiny_models import char_tokenizer, random_ids, save_tiny_model, tiny_gemma3, tiny_llama, tiny_qwen3
+
+from hf_kvpolicies import FullCache, KVzipCache, from_spec
+
+TOKENIZER = char_tokenizer()
+BUDGET, RECENT = 10, 3
+
+
+class KVzipRule:
+    """For :func:`test_scored.naive_eviction`: the first forward's tokens carry their reconstruction
+    scores (``reconstruction[layer]``, from eager attention in :func:`reference_scores`); after
+    that a token's score is the largest attention any later query gave it; ``recent`` protected.
+    ``naive_eviction`` observes the layers in order, so the first forward's calls take the layers'
+    scores one after the other."""
+
+    def __init__(self, budget: int, recent: int, reconstruction: list[torch.Tensor]):
+        self.budget, self.protected = budget, recent
+        self.first = iter(reconstruction)
+
+    def observe(self, state, attention, keys, start, stop):
+        if start == 0:
+            scores = next(self.first)
+            state["score"] = torch.zeros(*scores.shape[:2], attention.shape[-1])
+            state["score"][..., :stop] = scores
+        else:
+            state["score"] = torch.maximum(state["score"], attention.amax(dim=(2, 3)))
+
+    def score(self, state, stop):
+        return state["score"]
+
+    def selection(self, state, stop, b, h, candidates):
+        return {p: float(state["score"][b, h, p]) for p in candidates}
+
+
+SCHEDULES = {**SCHEDULES, "prompt of budget + 1 evicts by reconstruction": [BUDGET + 1] + [1] * 64}
+MODELS = {
+    "llama-gqa": tiny_llama,
+    "llama-mqa": functools.partial(tiny_llama, num_key_value_heads=1),
+    "qwen3": tiny_qwen3,
+}
+CASES = [
+    ("llama-gqa", "long prompt", 2048),
+    ("llama-gqa", "long prompt", 10),  # the prompt reconstructed in three chunks
+    ("llama-gqa", "short prompt fills then evicts", 2048),
+    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048),
+    ("llama-gqa", "chunks, also after evictions", 2048),
+    ("llama-mqa", "chunks, also after evictions", 2048),
+    ("qwen3", "long prompt", 2048),
+]
+
+
+@functools.cache
+def reference(model_name: str, schedule: str, chunk: int):
+    model = peaked(MODELS[model_name](), factor=8.0)
+    model.set_attn_implementation("eager")
+    chunks = SCHEDULES[schedule]
+    ids = random_ids(1, sum(chunks), seed=5)
+    reconstruction = reference_scores(model, ids[:, : chunks[0]], chunk)
+    return naive_eviction(model, ids, chunks, KVzipRule(BUDGET, RECENT, reconstruction))
+
+
+@pytest.mark.parametrize("model_name, schedule, chunk", CASES)
+def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
+    """Kept positions per layer and KV head after every forward (64+ decode steps), and logits."""
+    expected_logits, expected_kept = reference(model_name, schedule, chunk)
+    model = peaked(MODELS[model_name](), factor=8.0)
+    chunks = SCHEDULES[schedule]
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER)
+    logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    for step, (got, want) in enumerate(zip(kept, expected_kept)):
+        for layer in want:
+            assert torch.equal(got[layer], want[layer]), f"forward {step}, layer {layer}"
+    final = kept[-1][0]
+    assert final.shape[-1] == BUDGET
+    assert not torch.equal(final, torch.arange(sum(chunks) - BUDGET, sum(chunks)).expand_as(final))  # not a window
+    torch.testing.assert_close(logits, expected_logits, atol=2e-5, rtol=0)
+
+
+def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_thread):
+    model = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)
+    ids = random_ids(1, 40, seed=5)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="adaptive", tokenizer=TOKENIZER)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    budgets = cache.layer_budget_sizes()
+    assert sum(budgets) == 4 * BUDGET and len(set(budgets)) > 1
+    reference = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)  # the same weights, eager
+    reference.set_attn_implementation("eager")
+    scores = reference_scores(reference, ids, 2048)
+    for layer, budget, score in zip(cache.layers, budgets, scores):
+        best = score[..., : 40 - RECENT].topk(budget - RECENT, dim=-1).indices
+        expected = torch.cat([best.sort(dim=-1).values, torch.arange(40 - RECENT, 40).expand(1, 2, RECENT)], dim=-1)
+        assert torch.equal(layer.retention.kept_positions(), expected)
+        assert layer.storage.capacity == budget + 1  # each layer's storage is sized to its own budget
+
+
+@pytest.mark.parametrize("layer_budgets", ["uniform", "adaptive"])
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_budget_covering_everything_is_full_cache(make_model, layer_budgets, one_thread):
+    model = make_model()
+    ids = random_ids(1, 48)
+    expected = prefill_then_decode(model, ids, FullCache(model), prefill=16)
+    cache = KVzipCache(model, budget=80, recent=8, layer_budgets=layer_budgets, tokenizer=TOKENIZER)
+    assert torch.equal(prefill_then_decode(model, ids, cache, prefill=16), expected)
+    assert cache.get_seq_length() == 48 and cache.stored_tokens() == 48
+
+
+def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
+    model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16, fp32
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", tokenizer=TOKENIZER)
+    with torch.no_grad():
+        model(random_ids(2, 120), cache=cache)
+    slots, batch, heads = BUDGET + 1, 2, 2
+    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8
+    assert cache.get_memory_footprint() == 2 * per_layer
+    assert all(layer.retention.pending is None for layer in cache.layers)  # the 120-token prompt is freed
+    assert cache.get_seq_length() == 120 and cache.stored_tokens() == BUDGET  # no reconstruction token counted
+    prefill_then_decode(model, random_ids(2, 40), cache, prefill=1)
+    assert cache.get_memory_footprint() == 2 * per_layer and cache.get_seq_length() == 160
+
+
+def test_left_padded_rows_keep_what_they_keep_alone(one_thread):
+    model = peaked(tiny_llama(), factor=8.0)
+    lengths = (30, 21, 14)
+    rows = [random_ids(1, n, seed=20 + i) for i, n in enumerate(lengths)]
+    ids = torch.zeros(3, 30, dtype=torch.long)
+    mask = torch.zeros(3, 30, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 30 - row.shape[1] :], mask[i, 30 - row.shape[1] :] = row[0], 1
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, layer_budgets="uniform")
+    together = greedy(model, ids, cache, 20, attention_mask=mask)
+    for i, row in enumerate(rows):
+        alone_cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, layer_budgets="uniform")
+        alone = greedy(model, row, alone_cache, 20)
+        assert torch.equal(together[i, 30:], alone[0, row.shape[1] :]), f"row {i}"
+        pad = 30 - row.shape[1]
+        for layer, alone_layer in zip(cache.layers, alone_cache.layers):
+            assert torch.equal(layer.retention.kept_positions()[i] - pad, alone_layer.retention.kept_positions()[0])
+
+
+def test_beam_search_and_fp8_storage(one_thread):
+    model = tiny_llama()
+    ids = random_ids(1, 30, seed=3)
+    expected = greedy(model, ids, FullCache(model), 12, num_beams=2)
+    assert torch.equal(greedy(model, ids, KVzipCache(model, budget=64, tokenizer=TOKENIZER), 12, num_beams=2), expected)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    assert greedy(model, ids, cache, 12, num_beams=2).shape == (1, 42)
+    assert cache.layers[0].retention.kept_positions().shape == (2, 2, cache.layer_budget_sizes()[0])
+    native = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    fp8 = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, storage="fp8:residual=0")
+    with torch.no_grad():
+        model(ids, cache=native), model(ids, cache=fp8)
+    for a, b in zip(native.layers, fp8.layers):  # the prompt is scored on the model's own keys
+        assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())
+    assert fp8.get_memory_footprint() < native.get_memory_footprint()
+
+
+def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path)).eval()
+    cache = from_spec(model, "kvzip:budget=12,recent=2,layer_budgets=pyramid,chunk=16")
+    assert cache.prompt.first == KVzipCache(model, tokenizer=TOKENIZER).prompt.first
+    assert KVzipCache.budget_parameters(64) == {"budget": 64}
+    prefill_then_decode(model, random_ids(1, 40), cache, prefill=30)
+    assert cache.layer_budget_sizes() != [12, 12] and sum(cache.layer_budget_sizes()) == 24
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget": 0}, "budget must be"),
+        ({"budget": 8, "recent": 8}, "recent=8 must be below budget=8"),
+        ({"recent": -1}, "recent must be"),
+        ({"chunk": 0}, "chunk must be"),
+        ({"layer_budgets": "even"}, "layer_budgets"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVzipCache(tiny_llama(), **{"tokenizer": TOKENIZER, **kwargs})
+
+
+def test_what_it_cannot_serve_fails_clearly():
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        KVzipCache(tiny_gemma3(), tokenizer=TOKENIZER)
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        KVzipCache(tiny_llama())  # built from a config: no tokenizer saved beside it
+    model = tiny_llama()
+    cache = KVzipCache(model, budget=8, recent=2, tokenizer=TOKENIZER)
+    with pytest.raises(ValueError, match="input_ids, not inputs_embeds"):
+        model(inputs_embeds=model.model.embed_tokens(random_ids(1, 12)), cache=cache)
+
+
+def test_reset_reconstructs_the_next_prompt(one_thread):
+    model = peaked(tiny_llama(), factor=8.0)
+    first, second = random_ids(1, 30, seed=1), random_ids(1, 34, seed=2)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    fresh = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    prefill_then_decode(model, first, cache, prefill=20)
+    cache.reset()
+    got = prefill_then_decode(model, second, cache, prefill=24)
+    expected = prefill_then_decode(model, second, fresh, prefill=24)
+    assert torch.equal(got, expected)
+    for a, b in zip(cache.layers, fresh.layers):
+        assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())
