@@ -65,20 +65,28 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if all(layer.retention.in_position_order for layer in cache.layers):
         return None
     padding = kwargs.get("attention_mask")
-    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
-        return None
     embeds = kwargs.get("inputs_embeds")
     inputs = kwargs.get("input_ids") if embeds is None else embeds
     if inputs is None:
         inputs = args[0]
     query_length = inputs.shape[1]
+    if isinstance(padding, torch.Tensor) and padding.dim() == 4 and query_length > 1 and cache.get_seq_length() == 0:
+        # generate() prepares 4-D masks for a compile-able cache: its prefill's padding is the last query's row
+        padding = padding[:, 0, -1] if padding.dtype == torch.bool else padding[:, 0, -1] == 0
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+        return None
     if query_length > 1 or cache.padded is None:
         # read the mask's values on multi-token forwards only: a decode step keeps the padding
         # its prompt had (its own column is a real token), so it reads nothing back
         cache.padded = not bool(padding.all())
     if not cache.padded:
         return None
+    if torch.compiler.is_compiling():
+        from .cache import NOT_STATIC
+
+        raise ValueError(NOT_STATIC.format(retention=type(cache.layers[cache.first_policy_layer].retention).__name__))
     for layer in cache.layers:
+        layer.padded = True
         layer.retention.observe_padding(padding)
     if cache.get_seq_length() == 0:
         return None
