@@ -33,6 +33,7 @@ class Rotary:
         self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
         self.interleaved = interleaved
         self._memo: tuple[tuple, torch.Tensor] | None = None
+        self._freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copies on devices, made eagerly
 
     @property
     def rotary_dim(self) -> int:
@@ -66,10 +67,17 @@ class Rotary:
         self._memo = (key, matrix)
         return matrix
 
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied once (call it eagerly before compiled steps use it:
+        a host tensor inside a CUDA graph would make it skip the graph)."""
+        if device not in self._freq_on:
+            self._freq_on[device] = self.inv_freq.to(device)
+        return self._freq_on[device]
+
     def _build(self, steps: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The float64 rotation matrices for ``steps`` (float64, on the device they are built on)."""
         device = steps.device
-        angles = steps * self.inv_freq.to(device)
+        angles = steps * self.on_device(device)
         angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
         dim = self.rotary_dim
         basis = torch.eye(dim, dtype=torch.float64, device=device)  # row j becomes the image of basis vector j

@@ -78,6 +78,8 @@ class SinkRetention(RingRetention):
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
         self._sink_slots = torch.arange(self.sinks, device=storage.device)
+        if self.rotary is not None:
+            self.rotary.on_device(storage.device)
         return super()._enter_static(storage)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
