@@ -71,8 +71,9 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         inputs = args[0]
     query_length = inputs.shape[1]
     if isinstance(padding, torch.Tensor) and padding.dim() == 4 and query_length > 1 and cache.get_seq_length() == 0:
-        # generate() prepares 4-D masks for a compile-able cache: its prefill's padding is the last query's row
-        padding = padding[:, 0, -1] if padding.dtype == torch.bool else padding[:, 0, -1] == 0
+        # generate() prepares 4-D masks for a compile-able cache: in its prefill, a pad is a key no query sees
+        allowed = padding if padding.dtype == torch.bool else padding == 0
+        padding = allowed[:, 0].any(dim=-2)
     if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
         return None
     if query_length > 1 or cache.padded is None:
