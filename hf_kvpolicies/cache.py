@@ -26,8 +26,8 @@ OTHER_MODEL = (
 
 NOT_STATIC = (
     "{retention} cannot take this decode step inside a compiled forward: its static step needs a finished "
-    "prefill, an unpadded batch (pre-sized full caches excepted), at least as many prompt tokens as sinks, and "
-    "no beam reordering since the last eager forward; decode this input eagerly (generate(..., disable_compile=True))"
+    "eager prefill, an unpadded batch (pre-sized full caches excepted) and at least as many prompt tokens as "
+    "sinks; decode this input eagerly (generate(..., disable_compile=True))"
 )
 
 
