@@ -215,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     if args.tiny:
         args.shapes, args.contexts, args.budgets, args.steps, args.warmup = ["tiny"], [48, 96], [16, 32], 4, 2
-    if args.cpu:
-        args.shapes, args.contexts, args.budgets, args.device, args.dtype = ["smollm2"], [1024, 4096], [256], "cpu", "float32"
-        args.mode, args.steps, args.max_minutes = "default", 16, max(args.max_minutes, 60.0)
+    if args.cpu:  # the preset's values, where the command line left the defaults
+        defaults = arguments().parse_args([])
+        preset = dict(shapes=["smollm2"], contexts=[1024, 4096], budgets=[256], device="cpu", dtype="float32",
+                      mode="default", steps=16, max_minutes=60.0)
+        for key, value in preset.items():
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"eval.benchmarks.gpu: no CUDA device visible to torch {torch.__version__}; nothing measured "
               "(run it on a GPU machine, or --tiny --device cpu to check the code paths)")
