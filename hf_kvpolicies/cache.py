@@ -24,16 +24,37 @@ OTHER_MODEL = (
 )
 
 
-class PolicyLayer(CacheLayerMixin):
-    """One layer's cache: ``retention`` decides the slots, ``storage`` holds them."""
+NOT_STATIC = (
+    "{retention} cannot take this decode step inside a compiled forward: its static step needs a finished "
+    "eager prefill, an unpadded batch (pre-sized full caches excepted) and at least as many prompt tokens as "
+    "sinks; decode this input eagerly (generate(..., disable_compile=True))"
+)
 
-    is_compileable = False  # shapes change while the cache fills: keep generate() from compiling
+
+class PolicyLayer(CacheLayerMixin):
+    """One layer's cache: ``retention`` decides the slots, ``storage`` holds them.
+
+    **Static decode steps.** Where the retention and the storage have one (bounded policies,
+    pre-sized full caches), every decode step after the eager prefill takes
+    :meth:`~hf_kvpolicies.retention.base.Retention.static_step`, eagerly or compiled alike: the
+    token is written at a device index, the whole fixed buffer is returned and ``get_mask_sizes``
+    is ``(slots, 0)`` with the query at ``seen``, so unfilled slots are masked, as for
+    ``StaticCache``. The same code runs eagerly and compiled, so both give the same tokens.
+    """
 
     def __init__(self, retention: Retention, storage: StorageFactory) -> None:
         super().__init__()
         self.retention = retention
         self._make_storage = storage
         self.storage: Storage = storage()
+        self.padded = False
+        """Set by the mask hook on a padded batch (the layout then needs exact per-row masks)."""
+        self.static_allowed = False
+        """Set by the cache: every layer can be static, so transformers builds the masks static steps need."""
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.retention.compileable and self.storage.compileable
 
     @property
     def is_sliding(self) -> bool:
@@ -53,6 +74,7 @@ class PolicyLayer(CacheLayerMixin):
         self.retention.record_past = value
 
     def activate_past_recording(self) -> None:
+        self.host_state()
         self.retention.start_recording(self.storage)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -63,22 +85,53 @@ class PolicyLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.retention.update(self.storage, key_states, value_states)
+        retention = self.retention
+        if retention.static and key_states.shape[-2] == 1:
+            return retention.static_step(self.storage, key_states, value_states)
+        if torch.compiler.is_compiling():
+            raise ValueError(NOT_STATIC.format(retention=type(retention).__name__))
+        self.host_state()
+        keys, values = retention.update(self.storage, key_states, value_states)
         self.is_initialized = True
         self.device = key_states.device
+        self.enter_static_if_ready()
         return keys, values
+
+    # --- static decode steps ------------------------------------------------------------------
+    def enter_static_if_ready(self) -> None:
+        """After an eager forward: decode steps become static where they can (see the class doc)."""
+        self.host_state()
+        retention = self.retention
+        exact_masks = self.padded and not retention.in_position_order
+        if self.static_allowed and not exact_masks and retention.static_ready(self.storage):
+            retention.enter_static(self.storage)
+
+    def host_state(self) -> None:
+        """End static steps before the host bookkeeping is used or changed (an eager step re-enters them)."""
+        if self.retention.static:
+            self.retention.leave_static(self.storage)
 
     def kept(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Keys and values of the tokens kept (``[batch, heads, kept, dim]``; ``None`` before the
         first update, as ``DynamicLayer``'s)."""
         if not self.storage.is_allocated:
             return None, None
+        self.host_state()
         return self.storage.gather(self.retention.kept_slots().to(self.storage.device))
 
-    def get_seq_length(self) -> int:
-        return self.retention.seen
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens seen: a host int, or (inside a compiled step and after one, as ``StaticLayer``)
+        the 0-d device tensor that static steps advance, so that nothing is read back."""
+        retention = self.retention
+        if torch.compiler.is_compiling() and retention.static:
+            return retention.seen_t
+        return retention.seen_t if retention.static and retention.stale else retention.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.retention.static:
+            if query_length == 1:
+                return self.storage.capacity, 0
+            self.host_state()
         kv_length = self.retention.returned_length(query_length)
         return kv_length, self.retention.seen + query_length - kv_length
 
@@ -89,11 +142,14 @@ class PolicyLayer(CacheLayerMixin):
         self.retention.reset()
         self.storage = self._make_storage()
         self.is_initialized = False
+        self.padded = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.storage.is_allocated:
+            self.host_state()
             self.storage.reorder(beam_idx)
             self.retention.reorder(beam_idx)
+            self.enter_static_if_ready()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.storage.is_allocated:
@@ -108,7 +164,9 @@ class PolicyLayer(CacheLayerMixin):
         return keys.shape[0]
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.host_state()
         self.retention.crop(self.storage, tokens_to_remove)
+        self.enter_static_if_ready()
 
     def offload(self) -> None:
         raise NotImplementedError("hf-kvpolicies caches do not offload layers to the CPU")
@@ -169,7 +227,10 @@ class PolicyCache(Cache):
 
         self.model_token = attach_mask_hook(model)
         self.attn_implementation = model.config._attn_implementation
-        self._announced: int | None = None
+        self._announced = self._masks_built = False
+        static = self.static_layout()
+        for layer in self.layers:
+            layer.static_allowed = static
 
     def _policy_retention(self, model, retention: RetentionFactory, layout: LayerLayout) -> Retention:
         """The policy's retention for ``layout``, kept inside the model's window on a sliding layer."""
@@ -196,6 +257,18 @@ class PolicyCache(Cache):
         return None
 
     @property
+    def is_compileable(self) -> bool:
+        """Whether decode steps are static (see :class:`PolicyLayer`): every layer has a static
+        step, and the batch needs no exact per-row masks (known after the prefill; ``generate()``
+        asks before it, and a compiled step that meets such a batch raises ``ValueError``)."""
+        exact_masks = self.padded and not all(layer.retention.in_position_order for layer in self.layers)
+        return self.static_layout() and not exact_masks
+
+    def static_layout(self) -> bool:
+        """Whether every layer has a static decode step and one mask serves them all."""
+        return all(layer.is_compileable for layer in self.layers)
+
+    @property
     def governed_layers(self) -> int:
         """How many layers the policy governs; a run where it governs none measures nothing."""
         return sum(self.governed)
@@ -205,14 +278,25 @@ class PolicyCache(Cache):
         """Called by the mask hook before each forward of a model that carries it."""
         if model_token != self.model_token:
             raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
-        self._announced = self.get_seq_length()
+        self._announced = True
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """transformers asks while it builds a forward's masks: a forward that the hook of the
-        cache's model did not announce comes from another model instance."""
-        if self._announced != self.get_seq_length():
-            raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        """transformers asks while it builds a forward's masks (inside the forward, or, for a
+        compile-able cache, in ``generate()`` just before it): a forward that follows without the
+        announcement of the cache's model's hook comes from another model instance."""
+        self._masks_built = True
         return super().get_mask_sizes(query_length, layer_idx)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked at the first layer (keys written straight to ``update``, with no forward and so
+        no masks, are the caller's business); the last layer closes the forward."""
+        if layer_idx == 0 and self._masks_built and not self._announced:
+            raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        if layer_idx == len(self.layers) - 1:
+            self._announced = self._masks_built = False
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # --- rolling back (assisted decoding, prompt lookup) ------------------------------------
     def _refuse_rollback(self) -> None:
@@ -234,7 +318,8 @@ class PolicyCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.padded = self._announced = None
+        self.padded = None
+        self._announced = self._masks_built = False
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
         """Per layer, as ``DynamicCache`` yields: kept keys, kept values, and the model's sliding
@@ -254,7 +339,10 @@ class PolicyCache(Cache):
 
     def stored_tokens(self, layer_idx: int = 0) -> int:
         """Tokens currently kept by a layer (``get_seq_length`` counts every token seen)."""
-        return self.layers[layer_idx].retention.stored
+        layer = self.layers[layer_idx]
+        if layer.retention.stale:
+            layer.host_state()
+        return layer.retention.stored
 
     @property
     def first_policy_layer(self) -> int:

@@ -71,6 +71,10 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if inputs is None:
         inputs = args[0]
     query_length = inputs.shape[1]
+    if isinstance(padding, torch.Tensor) and padding.dim() == 4 and query_length > 1 and cache.get_seq_length() == 0:
+        # generate() prepares 4-D masks for a compile-able cache: in its prefill, a pad is a key no query sees
+        allowed = padding if padding.dtype == torch.bool else padding == 0
+        padding = allowed[:, 0].any(dim=-2)
     dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
     if len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
         _layer_masks(cache, padding, inputs, query_length, module.config, dtype)
@@ -82,7 +86,12 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         cache.padded = not bool(padding.all())
     if not cache.padded:
         return None
+    if torch.compiler.is_compiling():
+        from .cache import NOT_STATIC
+
+        raise ValueError(NOT_STATIC.format(retention=type(cache.layers[cache.first_policy_layer].retention).__name__))
     for layer in cache.layers:
+        layer.padded = True
         layer.retention.observe_padding(padding)
     if cache.get_seq_length() == 0:
         return None

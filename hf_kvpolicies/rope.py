@@ -33,6 +33,7 @@ class Rotary:
         self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
         self.interleaved = interleaved
         self._memo: tuple[tuple, torch.Tensor] | None = None
+        self._freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copies on devices, made eagerly
 
     @property
     def rotary_dim(self) -> int:
@@ -48,6 +49,9 @@ class Rotary:
         matrix (the last one is memoised). Angles are taken in float64, so large offsets lose no
         precision; the dims past ``rotary_dim`` (partial rotary) pass through unchanged.
         """
+        if isinstance(offset, torch.Tensor) and offset.dim() == 0:
+            # a static decode step's offset lives on the device: built there, nothing read back
+            return self._build(offset.to(torch.float64), head_dim).to(dtype)
         per_row = isinstance(offset, torch.Tensor)
         key = (tuple(offset.tolist()) if per_row else offset, head_dim, dtype, device)
         if self._memo is not None and self._memo[0] == key:
@@ -56,17 +60,30 @@ class Rotary:
             steps = offset.to("cpu", torch.float64)[:, None, None]
         else:
             steps = torch.tensor(float(offset), dtype=torch.float64)
-        angles = steps * self.inv_freq
-        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
-        dim = self.rotary_dim
-        basis = torch.eye(dim, dtype=torch.float64)  # row j becomes the image of basis vector j
-        block = basis * angles.cos() + rotate_half(basis, self.interleaved) * angles.sin()
-        matrix = torch.eye(head_dim, dtype=torch.float64).repeat(*block.shape[:-2], 1, 1)
-        matrix[..., :dim, :dim] = block
+        matrix = self._build(steps, head_dim)
         if per_row:
             matrix = matrix[:, None]
         matrix = matrix.to(device, dtype)
         self._memo = (key, matrix)
+        return matrix
+
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied once (call it eagerly before compiled steps use it:
+        a host tensor inside a CUDA graph would make it skip the graph)."""
+        if device not in self._freq_on:
+            self._freq_on[device] = self.inv_freq.to(device)
+        return self._freq_on[device]
+
+    def _build(self, steps: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The float64 rotation matrices for ``steps`` (float64, on the device they are built on)."""
+        device = steps.device
+        angles = steps * self.on_device(device)
+        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
+        dim = self.rotary_dim
+        basis = torch.eye(dim, dtype=torch.float64, device=device)  # row j becomes the image of basis vector j
+        block = basis * angles.cos() + rotate_half(basis, self.interleaved) * angles.sin()
+        matrix = torch.eye(head_dim, dtype=torch.float64, device=device).repeat(*block.shape[:-2], 1, 1)
+        matrix[..., :dim, :dim] = block
         return matrix
 
     def rotate(self, keys: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:

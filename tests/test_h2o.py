@@ -141,7 +141,8 @@ def test_budget_covering_everything_is_full_cache(make_model, implementation):
     ids = random_ids(1, 48)
     expected = prefill_then_decode(model, ids, FullCache(model), prefill=16)
     got = prefill_then_decode(model, ids, H2OCache(model, heavy=40, recent=40), prefill=16)
-    assert torch.equal(got, expected)
+    # static decode steps attend over the whole fixed buffer, unfilled slots masked: equal up to rounding
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_generate_with_both_argument_names():

@@ -125,7 +125,8 @@ def test_budget_covering_everything_is_full_cache(make_model, layer_budgets, one
     ids = random_ids(1, 48)
     expected = prefill_then_decode(model, ids, FullCache(model), prefill=16)
     cache = KVzipCache(model, budget=80, recent=8, layer_budgets=layer_budgets, tokenizer=TOKENIZER)
-    assert torch.equal(prefill_then_decode(model, ids, cache, prefill=16), expected)
+    # uniform budgets take static decode steps (the whole fixed buffer, unfilled slots masked): equal up to rounding
+    torch.testing.assert_close(prefill_then_decode(model, ids, cache, prefill=16), expected, rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 48 and cache.stored_tokens() == 48
 
 

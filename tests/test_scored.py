@@ -221,7 +221,8 @@ def test_budget_covering_everything_is_full_cache(make_cache, make_model, implem
     model.set_attn_implementation(implementation)
     ids = random_ids(1, 48)
     expected = prefill_then_decode(model, ids, FullCache(model), prefill=16)
-    assert torch.equal(prefill_then_decode(model, ids, make_cache(model), prefill=16), expected)
+    # static decode steps attend over the whole fixed buffer, unfilled slots masked: equal up to rounding
+    torch.testing.assert_close(prefill_then_decode(model, ids, make_cache(model), prefill=16), expected, rtol=0, atol=1e-5)
 
 
 SCORED = {

@@ -2,13 +2,15 @@
 
     python -m eval.benchmarks.gpu                       # on a CUDA machine: the full table
     python -m eval.benchmarks.gpu --tiny --device cpu   # every code path on a tiny model (what the tests run)
+    python -m eval.benchmarks.gpu --cpu                 # the embedded SmolLM2-135M on the CPU, 1K and 4K tokens
 
 On a GPU, launching kernels, not arithmetic, is the cost of a small-batch decode step; a cache
 whose decode step has static shapes compiles (``torch.compile``, CUDA graphs) and removes it.
 This measures, for models of real shapes built from configs with random weights (no download;
 random weights time exactly like trained ones), decode ms/token at each context for:
 ``DynamicCache`` (eager), ``StaticCache`` (compiled, as ``generate()`` compiles it), and every
-policy at each budget, eager and, where its cache declares ``is_compileable``, compiled. Timing
+policy at each budget, eager and, where its cache declares ``is_compileable``, compiled (the
+caches that keep every token, full and FP8, pre-sized with ``max_length`` as ``StaticCache`` is). Timing
 is synchronised step by step; memory is ``torch.cuda.max_memory_allocated`` above the weights.
 Ratios are to ``DynamicCache`` and to compiled ``StaticCache`` at the same context.
 
@@ -19,6 +21,7 @@ Without CUDA (and without ``--device cpu``) it says so in one line and exits 0. 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -38,6 +41,7 @@ from transformers import (
 from transformers.cache_utils import Cache
 
 from hf_kvpolicies import available_policies, from_spec
+from hf_kvpolicies.models import load_model
 from hf_kvpolicies.specs import policy_constructor
 
 from ..speed import prefill, synchronize
@@ -55,6 +59,7 @@ SHAPES: dict[str, Callable[[], PreTrainedModel]] = {
             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0,
         )
     ),
+    "smollm2": lambda: load_model()[0],
     "tiny": lambda: LlamaForCausalLM(
         LlamaConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,7 +67,10 @@ SHAPES: dict[str, Callable[[], PreTrainedModel]] = {
         )
     ),
 }
-"""Model shapes of Llama-3-8B and Qwen2.5-7B (their published configs' sizes), and a tiny one."""
+"""Model shapes of Llama-3-8B and Qwen2.5-7B (their published configs' sizes), the embedded
+SmolLM2-135M (trained weights, for CPU figures), and a tiny one."""
+HEADROOM = 64
+"""Slots beyond the context for pre-sized caches (StaticCache, full, FP8): warm-up plus timed steps."""
 
 @dataclass
 class Row:
@@ -88,6 +96,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend ('eager' to test paths)")
     parser.add_argument("--max-minutes", type=float, default=8.0)
     parser.add_argument("--tiny", action="store_true", help="tiny shape, short contexts: check every code path")
+    parser.add_argument("--progress", action="store_true", help="print each measurement as it is made")
+    parser.add_argument("--cpu", action="store_true", help="the embedded SmolLM2-135M on the CPU (fp32, inductor), "
+                        "contexts 1K and 4K, budget 256: the CPU figures of compiled decoding")
     return parser
 
 
@@ -95,12 +106,15 @@ def contenders(policies: list[str], budgets: list[int]) -> list[tuple[str, Calla
     """(label, make(model, context)) for every cache to time, eager ones before compiled ones."""
     made: list[tuple[str, Callable[[PreTrainedModel, int], Cache]]] = [
         ("DynamicCache", lambda model, context: DynamicCache(config=model.config)),
-        ("StaticCache", lambda model, context: StaticCache(config=model.config, max_cache_len=context + 64)),
+        ("StaticCache", lambda model, context: StaticCache(config=model.config, max_cache_len=context + HEADROOM)),
     ]
     for name in policies:
-        parameters = getattr(policy_constructor(name), "budget_parameters", lambda budget: None)
-        if parameters(budgets[0]) is None:  # keeps every token: once per context
-            made.append((name, lambda model, context, name=name: from_spec(model, name)))
+        constructor = policy_constructor(name)
+        parameters = getattr(constructor, "budget_parameters", lambda budget: None)
+        if parameters(budgets[0]) is None:  # keeps every token: once per context, pre-sized where it can be
+            presized = "max_length" in inspect.signature(constructor).parameters
+            made.append((name, lambda model, context, name=name, presized=presized: from_spec(
+                model, f"{name}:max_length={context + HEADROOM}" if presized else name)))
             continue
         for budget in budgets:
             spec = f"{name}:" + ",".join(f"{key}={value}" for key, value in parameters(budget).items())
@@ -174,6 +188,8 @@ def measure(args: argparse.Namespace, shape: str, deadline: float, skipped: list
                     continue
                 peak = (torch.cuda.max_memory_allocated(device) - weights) / 2**20 if device.type == "cuda" else None
                 rows.append(Row(name, context, statistics.median(times), peak))
+                if args.progress:
+                    print(f"  {shape} {name} @{context}: {rows[-1].ms:.2f} ms/token", flush=True)
                 del cache
     return rows
 
@@ -203,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     if args.tiny:
         args.shapes, args.contexts, args.budgets, args.steps, args.warmup = ["tiny"], [48, 96], [16, 32], 4, 2
+    if args.cpu:  # the preset's values, where the command line left the defaults
+        defaults = arguments().parse_args([])
+        preset = dict(shapes=["smollm2"], contexts=[1024, 4096], budgets=[256], device="cpu", dtype="float32",
+                      mode="default", steps=16, max_minutes=60.0)
+        for key, value in preset.items():
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"eval.benchmarks.gpu: no CUDA device visible to torch {torch.__version__}; nothing measured "
               "(run it on a GPU machine, or --tiny --device cpu to check the code paths)")

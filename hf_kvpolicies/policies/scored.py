@@ -103,6 +103,12 @@ class ScoredCache(PolicyCache):
         for layer, budget in zip(waiting, budgets):
             layer.retention.defers_trim = self.defer_every_prefill
             layer.retention.finish(layer.storage, budget)
+        for layer in self.layers:  # the trims (and rescoring) may have replaced the static state
+            layer.enter_static_if_ready()
+
+    def static_layout(self) -> bool:
+        """Pyramid and adaptive budgets give layers different sizes, which one static mask cannot serve."""
+        return self.layer_budgets == "uniform" and super().static_layout()
 
     def layer_budget_sizes(self) -> list[int | None]:
         """Each scored layer's budget (``None`` until the first forward fixes it)."""

@@ -50,6 +50,8 @@ class Retention(ABC):
     keeps_by_position = False
     """True when what is kept of the past depends on positions alone and keys are kept as they
     arrived: a banded mask per chunk (``eval.stream``) then reproduces token-by-token streaming."""
+    compileable = False
+    """True when decode steps can take :meth:`static_step` (torch.compile, CUDA graphs)."""
 
     def __init__(self) -> None:
         self.seen = 0
@@ -61,6 +63,13 @@ class Retention(ABC):
         self.record_past = False
         """Set while generate() may roll back (assisted decoding): a croppable retention then keeps
         what a :meth:`crop` needs to restore."""
+        self.static = False
+        """True while decode steps take :meth:`static_step`: the device state below is authoritative."""
+        self.stale = False
+        """True once a compiled static step ran: ``seen`` and ``live`` lag ``seen_t`` until :meth:`leave_static`."""
+        self.seen_t: torch.Tensor | None = None
+        """``seen`` on the device (0-d long), advanced in place by static steps."""
+        self._entry: tuple[int, int] = (0, 0)  # (seen, live) when static steps began
 
     # --- what subclasses decide -------------------------------------------------------
     @abstractmethod
@@ -184,6 +193,8 @@ class Retention(ABC):
         self.live = 0
         self.slot_pos = None
         self.record_past = False
+        self.static = self.stale = False
+        self.seen_t = None
 
     def start_recording(self, storage: Storage) -> None:
         """Past recording begins (before a forward that may be rolled back)."""
@@ -192,6 +203,54 @@ class Retention(ABC):
     def crop(self, storage: Storage, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (only croppable retentions can)."""
         raise NotImplementedError(f"{type(self).__name__} evicts tokens and cannot roll back")
+
+    # --- the static decode step (torch.compile) ---------------------------------------
+    def static_ready(self, storage: Storage) -> bool:
+        """Whether the next decode steps can be static: the buffer has its final size (host state only)."""
+        return False
+
+    def enter_static(self, storage: Storage) -> None:
+        """Copy the host state to the device (eagerly, never inside a compiled region) and give
+        every tensor a static step mutates a fixed address."""
+        if self.seen_t is None or self.seen_t.device != storage.device:
+            self.seen_t = torch.zeros((), dtype=torch.long, device=storage.device)
+        self.seen_t.fill_(self.seen)
+        for tensor in [self.seen_t, *self._enter_static(storage)]:
+            torch._dynamo.mark_static_address(tensor)
+        storage.enter_static()
+        self._entry = (self.seen, self.live)
+        self.static, self.stale = True, False
+
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoded token with fixed shapes and no host state: returns every slot, and
+        ``get_mask_sizes`` shows slot ``j`` to the query while ``j <= seen`` (unfilled slots hidden)."""
+        raise NotImplementedError(f"{type(self).__name__} has no static decode step")
+
+    def leave_static(self, storage: Storage) -> None:
+        """Back to host bookkeeping (before any host-side use of the layout; may read the device)."""
+        if self.stale:
+            self.seen = int(self.seen_t)
+            self.live = min(self._entry[1] + self.seen - self._entry[0], storage.capacity)
+        self._leave_static(storage, self.seen - self._entry[0])
+        storage.leave_static()
+        self.static = self.stale = False
+
+    def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        """The subclass's device state, filled from the host; returns the tensors static steps mutate."""
+        return []
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        """Host bookkeeping after ``steps`` static steps (``seen`` and ``live`` are current)."""
+
+    def _static_done(self, storage: Storage) -> None:
+        """After a static step: eagerly, the host counts follow (plain ints, nothing read back); in a
+        compiled step they cannot change (dynamo would recompile for each value), so they go stale."""
+        self.seen_t.add_(1)
+        if torch.compiler.is_compiling():
+            self.stale = True
+        else:
+            self.seen += 1
+            self.live = min(self.live + 1, storage.capacity)
 
     # --- helpers for subclasses -------------------------------------------------------
     def _after_trim(self) -> None:

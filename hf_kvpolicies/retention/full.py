@@ -12,16 +12,50 @@ from .window import RingRetention
 
 class FullRetention(Retention):
     """Append-only; the buffer grows by a quarter when full, so appends are amortised O(1) and the
-    capacity never exceeds 1.25x the tokens held after the first decode step."""
+    capacity never exceeds 1.25x the tokens held after the first decode step.
+
+    Pre-sized (``max_length`` given, as transformers' ``StaticCache``): the buffer holds
+    ``max_length`` slots from the first update and never grows, so decode steps are static
+    (compile-able); a forward that would go past it is refused with ``ValueError``."""
 
     is_croppable = True
     in_position_order = True
     keeps_by_position = True
 
+    def __init__(self, max_length: int | None = None) -> None:
+        super().__init__()
+        self.limit = max_length
+
+    @property
+    def compileable(self) -> bool:
+        return self.limit is not None
+
     def capacity(self, first_chunk: int) -> int:
         """Exactly the first chunk (a prompt costs what ``DynamicCache`` pays); the first decode
         step grows the buffer by a quarter."""
-        return max(1, first_chunk)
+        return max(1, first_chunk) if self.limit is None else self.limit
+
+    def _ensure_capacity(self, storage: Storage, slots: SlotIndex, q: int) -> None:
+        if self.limit is not None and self._end(slots, q) > self.limit:
+            raise ValueError(
+                f"this cache was built with max_length={self.limit} and this forward would bring it to "
+                f"{self._end(slots, q)} tokens: build it with a larger max_length (or without one, to grow)"
+            )
+        super()._ensure_capacity(storage, slots, q)
+
+    def static_ready(self, storage: Storage) -> bool:
+        return self.limit is not None and storage.is_allocated
+
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token goes to slot ``seen``, as in ``StaticCache``."""
+        if not torch.compiler.is_compiling() and self.live >= self.limit:
+            self._ensure_capacity(storage, self.live, 1)  # refused with the reason
+        storage.write_static(self.seen_t.view(1), keys, values)
+        self._static_done(storage)
+        return storage.read_static()
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        self.slot_pos[: self.live] = torch.arange(self.live)
 
     def plan(self, q: int) -> SlotIndex:
         return self.live

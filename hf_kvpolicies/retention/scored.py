@@ -109,6 +109,8 @@ class ScoredRetention(Retention):
         """``[batch, kv_heads, 1]`` slot of the token evicted last, written by the next decode step."""
         self.has_free = False
         self.padded = False
+        self.live_t: torch.Tensor | None = None
+        """Static steps: ``live`` on the device (0-d long)."""
         self._padding: torch.Tensor | None = None
         self._query: tuple[torch.Tensor, float] | None = None
 
@@ -125,8 +127,11 @@ class ScoredRetention(Retention):
         """Per-slot state the statistic keeps beside the scores (none by default)."""
         return {}
 
-    def selection_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """What evictions and trims rank by (the scores themselves unless the statistic smooths them)."""
+    def selection_scores(
+        self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What evictions and trims rank by (the scores themselves unless the statistic smooths them);
+        ``seen``: tokens seen after this forward (a device tensor in static steps; ``self.seen`` by default)."""
         return scores
 
     def resolve(self, prompt: int) -> tuple[int, int]:
@@ -220,7 +225,7 @@ class ScoredRetention(Retention):
     def reset(self) -> None:
         super().reset()
         self.budget = self.protected = None
-        self.positions = self.scores = self.free = self._padding = None
+        self.positions = self.scores = self.free = self._padding = self.live_t = None
         self.extra = {}
         self.pending = None
         self.has_free = self.padded = False
@@ -265,6 +270,46 @@ class ScoredRetention(Retention):
         if budget is not None:
             self.budget = budget
         self._trim(storage, pending)
+
+    # --- the static decode step (unpadded batches, uniform budgets) -------------------------------
+    compileable = True
+
+    def static_ready(self, storage: Storage) -> bool:
+        return (
+            self.budget is not None and self.pending is None and not self.padded
+            and storage.is_allocated and storage.capacity == self.budget + 1
+        )
+
+    def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        self.live_t = torch.full((), self.live, dtype=torch.long, device=storage.device)
+        if not self.has_free:
+            self.free.fill_(self.live)  # while the slots fill, the next one is the append
+        return [self.live_t, self.positions, self.scores, self.free, *self.extra.values()]
+
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token goes to ``free`` (the append while the slots fill, then the slot evicted last);
+        the statistic sees every slot, unfilled ones masked; once every slot is in use the lowest
+        is chosen as the next ``free``, all on the device."""
+        query, scaling = self._take_query(1) if self.needs_queries else (None, 1.0)
+        slot, slots = self.free, self.positions.shape[-1]
+        storage.write_static(slot, keys, values)
+        self.positions.scatter_(-1, slot, self.seen_t.expand_as(slot))
+        self.scores.scatter_(-1, slot, 0.0)
+        for t in self.extra.values():
+            t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1), 0.0)
+        self.live_t.copy_((self.live_t + 1).clamp(max=slots))
+        all_keys, all_values = storage.read_static()
+        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=self.positions >= 0)
+        self.scores.copy_(self.score(seen, self.scores, self.extra))
+        lowest = self._lowest(self.positions, self.selection_scores(self.positions, self.scores, self.seen_t + 1), self.seen_t + 1)
+        self.free.copy_(torch.where(self.live_t >= slots, lowest, self.live_t))
+        self._static_done(storage)
+        if not torch.compiler.is_compiling():
+            self.has_free = self.live > self.budget
+        return all_keys, all_values
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        self.has_free = self.live > self.budget
 
     # --- internals --------------------------------------------------------------------------
     def _take_query(self, q: int) -> tuple[torch.Tensor, float]:
@@ -381,9 +426,9 @@ class ScoredRetention(Retention):
         self.live = count
         self.has_free = False
 
-    def _lowest(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def _lowest(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
-        ranked = self._evictable(positions, scores)
+        ranked = self._evictable(positions, scores, seen)
         lowest = ranked == ranked.amin(dim=-1, keepdim=True)
         return positions.masked_fill(~lowest, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
 
@@ -395,9 +440,11 @@ class ScoredRetention(Retention):
         best = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :count]
         return newest_first.gather(-1, best).sort(dim=-1).values
 
-    def _evictable(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf."""
-        ranked = scores.masked_fill(positions > self.seen - 1 - self.protected, float("inf"))
+    def _evictable(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
+        """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf
+        (``seen``: tokens seen, the host count unless a static step gives the device one)."""
+        seen = self.seen if seen is None else seen
+        ranked = scores.masked_fill(positions > seen - 1 - self.protected, float("inf"))
         return ranked.masked_fill(positions < 0, float("-inf"))
 
     def candidate_scores(self) -> torch.Tensor:

@@ -72,6 +72,30 @@ class SinkRetention(RingRetention):
             self._write_sinks(storage, evicted)
         return out
 
+    # --- the static decode step (unpadded batches) ---------------------------------------------
+    def static_ready(self, storage: Storage) -> bool:
+        return super().static_ready(storage) and not self._padded and not self._stale
+
+    def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        self._sink_slots = torch.arange(self.sinks, device=storage.device)
+        if self.rotary is not None:
+            self.rotary.on_device(storage.device)
+        return super()._enter_static(storage)
+
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In-cache positions: the sinks are rewritten every step, rotated by the evictions so far
+        (a device offset, so the rotation is built on the device)."""
+        if self.rotary is not None:
+            evicted = (self.seen_t + 1 - self.ring_capacity).clamp(min=0)
+            sink_keys = self.rotary.rotate(self.sink_keys, evicted).to(self.sink_values.dtype)
+            storage.write_static(self._sink_slots, sink_keys, self.sink_values)
+        return super().static_step(storage, keys, values)
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        super()._leave_static(storage, steps)
+        if self.rotary is not None and steps:
+            self._offset = max(0, self.seen - self.ring_capacity)  # the last step's rotation
+
     def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """Also shows a padded row's sink slot once the sink it received has left the ring."""
         real = super().real_keys(padding, key_pos)

@@ -50,14 +50,17 @@ class SnapKVRetention(ScoredRetention):
         history[:, :, self.window - count :] = rows
         return history.sum(dim=2)
 
-    def selection_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def selection_scores(
+        self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Scores pooled over neighbouring positions (outside the window, pads excluded)."""
         if self.kernel == 1:
             return scores
+        seen = self.seen if seen is None else seen
         order = positions.argsort(dim=-1)
         ordered = scores.gather(-1, order)
         ordered_positions = positions.gather(-1, order)
-        outside = (ordered_positions >= 0) & (ordered_positions <= self.seen - 1 - self.protected)
+        outside = (ordered_positions >= 0) & (ordered_positions <= seen - 1 - self.protected)
         neutral = float("-inf") if self.pooling == "max" else 0.0
         flat = ordered.masked_fill(~outside, neutral).reshape(-1, 1, ordered.shape[-1])
         pool = functional.max_pool1d if self.pooling == "max" else functional.avg_pool1d

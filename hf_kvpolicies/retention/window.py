@@ -36,6 +36,7 @@ class RingRetention(Retention):
         self.band = band
         self.is_sliding = band is not None
         self._next = 0
+        self._slot_t: torch.Tensor | None = None  # static steps: ``_next`` on the device (``[1]`` long)
 
     @classmethod
     def model_window(cls, sliding_window: int) -> RingRetention:
@@ -117,6 +118,41 @@ class RingRetention(Retention):
     def reset(self) -> None:
         super().reset()
         self._next = 0
+        self._slot_t = None
+
+    # --- the static decode step -------------------------------------------------------------
+    @property
+    def compileable(self) -> bool:
+        """A model's own sliding layer needs transformers' sliding mask over positions: not static."""
+        return self.band is None
+
+    def static_ready(self, storage: Storage) -> bool:
+        return storage.is_allocated and not self.record_past and self.seen >= self.sinks and self.live <= self.ring_capacity
+
+    def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        if self._slot_t is None or self._slot_t.device != storage.device:
+            self._slot_t = torch.zeros(1, dtype=torch.long, device=storage.device)
+        self._slot_t.fill_(self._next)
+        self._entry_next = self._next
+        return [self._slot_t]
+
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token goes to ``_next`` (an append while the ring fills, then the slot of the token
+        leaving the window), which then moves on in place, wrapping to the first ring slot."""
+        slot = self._slot_t
+        storage.write_static(slot, keys, values)
+        following = slot + 1
+        slot.copy_(torch.where(following < self.ring_capacity, following, self.sinks))
+        self._static_done(storage)
+        return storage.read_static()
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        """Replay the slots the steps took (only the last ring's worth can still hold their token)."""
+        ring = self.ring_capacity - self.sinks
+        recent = torch.arange(max(0, steps - ring), steps)
+        start = self._entry_next - self.sinks
+        self.slot_pos[self.sinks + (start + recent) % ring] = self._entry[0] + recent
+        self._next = self.sinks + (start + steps) % ring
 
     # --- internals ---------------------------------------------------------------------
     def _record(self, slots: SlotIndex, q: int) -> None:

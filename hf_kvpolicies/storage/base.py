@@ -80,6 +80,31 @@ class Storage(ABC):
         """Bytes that ``tokens`` kept tokens occupy, spare capacity excluded: what a comparison of
         policies should divide (a buffer that doubles when full would otherwise count up to 2x)."""
 
+    # --- the static decode step (torch.compile) -----------------------------------------
+    compileable = True
+    """True when :meth:`write_static`/:meth:`read_static` keep every per-step state on the device."""
+
+    def enter_static(self) -> None:
+        """Static decode steps follow (called eagerly, outside any compiled region): the tensors
+        they mutate get fixed addresses, so a compiled step (and CUDA graphs) can reuse them."""
+        for tensor in self.static_tensors():
+            torch._dynamo.mark_static_address(tensor)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The persistent tensors a static step writes in place."""
+        return []
+
+    def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`write` to device ``slots`` (``[q]`` shared, or ``[batch, heads, q]``) with no host state."""
+        self.write(slots, keys, values)
+
+    def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot (the whole fixed-shape buffer), in the model's dtype."""
+        return self.read(self.capacity)
+
+    def leave_static(self) -> None:
+        """Static steps end (before any other call): bring host bookkeeping up to date (may read the device)."""
+
 
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Broadcast a slot index to ``like``'s ``[batch, heads, q, head_dim]`` for gather/scatter."""

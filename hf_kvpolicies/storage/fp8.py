@@ -158,6 +158,9 @@ class FP8Storage(Storage):
         self._shadowed: list[int] | None = [-1] * self.residual
         """Host copy of the slot each entry shadows while every write had ``int`` slots (then all
         rows and heads agree); ``None`` once a per-row tensor of slots was written."""
+        self._ring: torch.Tensor | None = None
+        """Static steps: the device copy of ``_next`` (0-d long), advanced in place."""
+        self._push_always = False  # static steps: push every write (as after per-row writes)
 
     @classmethod
     def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> FP8Factory:
@@ -198,9 +201,11 @@ class FP8Storage(Storage):
         self.scales = torch.zeros(batch, heads, capacity, 2, dtype=torch.uint8, device=like.device)
         if self.residual:
             self.residual_values = like.new_zeros(batch, heads, self.residual, width)
-            self.residual_slots = torch.zeros(batch, heads, self.residual, dtype=torch.long, device=like.device)
+            # -1: an entry in no use (static steps read every entry and skip these)
+            self.residual_slots = torch.full((batch, heads, self.residual), -1, dtype=torch.long, device=like.device)
         self._held = self._next = self._written_end = 0
         self._shadowed = [-1] * self.residual
+        self._ring = None
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
@@ -307,6 +312,75 @@ class FP8Storage(Storage):
             native = width * self.residual_values.element_size() + self.residual_slots.element_size()
             held += min(tokens, self.residual) * batch * heads * native
         return held
+
+    # --- the static decode step ----------------------------------------------------------
+    def enter_static(self) -> None:
+        if self._ring is None:
+            self._ring = torch.zeros((), dtype=torch.long, device=self.device)
+        self._ring.fill_(self._next)
+        self._push_always = self._shadowed is None
+        super().enter_static()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.payload, self.scales, self._ring]
+        return tensors + ([self.residual_values, self.residual_slots] if self.residual else [])
+
+    def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The residual rules of :meth:`_remember`, decided on the device: entries shadowing a written
+        slot take its content; a write of shared slots that were all shadowed already pushes nothing."""
+        fresh = torch.cat([keys, values], dim=-1)
+        payload, codes = self._quantise(fresh)
+        if slots.dim() == 1:
+            self.payload.index_copy_(2, slots, payload)
+            self.scales.index_copy_(2, slots, codes)
+        else:
+            self.payload.scatter_(2, expand_slots(slots, payload), payload)
+            self.scales.scatter_(2, expand_slots(slots, codes), codes)
+        if not self.residual:
+            return
+        q = fresh.shape[-2]
+        written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+        match = self.residual_slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, residual, q]
+        source = match.to(torch.uint8).argmax(dim=-1)
+        refreshed = fresh.gather(2, expand_slots(source, fresh))
+        self.residual_values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.residual_values))
+        count = min(q, self.residual)
+        ring = (self._ring + torch.arange(count, device=self.device)) % self.residual
+        new_values = fresh[:, :, q - count :]
+        new_slots = written[..., q - count :].expand(*fresh.shape[:2], count)
+        if self._push_always or slots.dim() > 1:
+            advance = torch.full_like(self._ring, count)
+        else:  # shared slots, every one shadowed already: refreshed in place, nothing pushed
+            covered = match.any(dim=-2).all()
+            new_values = torch.where(covered, self.residual_values.index_select(2, ring), new_values)
+            new_slots = torch.where(covered, self.residual_slots.index_select(2, ring), new_slots)
+            advance = (~covered).long() * count
+        self.residual_values.index_copy_(2, ring, new_values)
+        self.residual_slots.index_copy_(2, ring, new_slots)
+        self._ring.copy_((self._ring + advance) % self.residual)
+
+    def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._dequantise(self.payload, self.scales)
+        if not self.residual:
+            return keys, values
+        # entries in no use (-1) land in one extra slot, dropped after the scatter
+        index = torch.where(self.residual_slots >= 0, self.residual_slots, self.capacity)
+        out = []
+        for decoded, native in zip((keys, values), self._split(self.residual_values)):
+            padded = torch.cat([decoded, decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])], dim=2)
+            padded.scatter_(2, expand_slots(index, padded), native)
+            out.append(padded[:, :, : self.capacity])
+        return out[0], out[1]
+
+    def leave_static(self) -> None:
+        """The residual's host bookkeeping from the device (one read, outside decode steps)."""
+        if not self.residual or self._ring is None:
+            return
+        shadowed = self.residual_slots[0, 0].tolist()
+        self._held = sum(slot >= 0 for slot in shadowed)
+        self._next = int(self._ring)
+        self._shadowed = None if self._push_always else shadowed
+        self._written_end = self.capacity  # static writes may have touched any slot
 
     # --- keys and values side by side --------------------------------------------------
     def _quantise(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

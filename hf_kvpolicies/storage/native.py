@@ -57,6 +57,12 @@ class NativeStorage(Storage):
         self.keys = self.keys.index_select(0, batch_index)
         self.values = self.values.index_select(0, batch_index)
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
     @property
     def nbytes(self) -> int:
         if self.keys is None:

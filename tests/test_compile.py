@@ -1,0 +1,180 @@
+"""Compiled decoding: every bounded policy (and the pre-sized full caches) has a static decode step.
+
+Each case prefills past the budget eagerly, then decodes 64 greedy tokens (fp32) twice with fresh
+caches: eagerly, and through ``torch.compile(model.forward, fullgraph=True)`` with a counting
+backend (dynamo traces the whole step; no inductor codegen, so the tests stay fast). The compiled
+step must trace at most twice (one recompile) over the 64 steps, and give the same tokens. One
+inductor test runs the generated code itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import char_tokenizer, random_ids, tiny_gemma3, tiny_llama
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from hf_kvpolicies import (
+    FP8Cache,
+    FullCache,
+    H2OCache,
+    KNormCache,
+    KVzipCache,
+    SinkCache,
+    SlidingWindowCache,
+    SnapKVCache,
+    TOVACache,
+)
+
+PROMPT = 12
+STEPS = 64
+NOT_STATIC = "cannot take this decode step inside a compiled forward"
+
+POLICIES = {
+    "window": lambda model, storage: SlidingWindowCache(model, window=8, storage=storage),
+    "sink-cache": lambda model, storage: SinkCache(model, sink_tokens=2, window=8, storage=storage),
+    "sink-absolute": lambda model, storage: SinkCache(model, sink_tokens=2, window=8, positions="absolute", storage=storage),
+    "full-presized": lambda model, storage: FullCache(model, max_length=PROMPT + STEPS + 1, storage=storage),
+    "h2o": lambda model, storage: H2OCache(model, heavy=4, recent=4, storage=storage),
+    "snapkv": lambda model, storage: SnapKVCache(model, budget=8, window=3, kernel=3, storage=storage),
+    "tova": lambda model, storage: TOVACache(model, budget=8, storage=storage),
+    "knorm": lambda model, storage: KNormCache(model, budget=8, recent=2, storage=storage),
+    "kvzip": lambda model, storage: KVzipCache(
+        model, budget=8, recent=2, layer_budgets="uniform", tokenizer=char_tokenizer(), storage=storage
+    ),
+}
+
+
+@torch.no_grad()
+def decode(model, cache, prompt: torch.Tensor, steps: int, forward=None) -> list[int]:
+    """Greedy tokens: an eager prefill, then ``steps`` single-token forwards through ``forward``."""
+    forward = forward or model.forward
+    token = model(prompt, cache=cache).logits[:, -1:].argmax(-1)
+    tokens = []
+    for step in range(steps):
+        position = torch.full((prompt.shape[0], 1), prompt.shape[1] + step)
+        token = forward(input_ids=token, cache=cache, position_ids=position).logits[:, -1:].argmax(-1)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1).tolist()
+
+
+def kept_positions(cache) -> list[list[int]]:
+    """Per layer, the positions kept (per row and head for scored layouts), from host bookkeeping."""
+    kept = []
+    for layer in cache.layers:
+        layer.host_state()
+        retention = layer.retention
+        if hasattr(retention, "kept_positions"):
+            kept.append(retention.kept_positions().tolist())
+        else:
+            kept.append(retention.slot_pos[retention.kept_slots()].tolist())
+    return kept
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_compiled_decoding_traces_once_and_matches_eager(name, storage, one_thread):
+    model = tiny_llama()
+    prompt = random_ids(1, PROMPT, seed=3)
+    eager_cache, compiled_cache = POLICIES[name](model, storage), POLICIES[name](model, storage)
+    assert eager_cache.is_compileable
+    expected = decode(model, eager_cache, prompt, STEPS)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
+    assert decode(model, compiled_cache, prompt, STEPS, compiled) == expected
+    assert 1 <= counter.frame_count <= 2  # traced once, recompiled at most once
+    assert int(compiled_cache.get_seq_length()) == PROMPT + STEPS
+    assert compiled_cache.stored_tokens() == eager_cache.stored_tokens()
+    # the host bookkeeping catches up after compiled steps: an eager step continues the stream
+    with torch.no_grad():
+        for cache in (eager_cache, compiled_cache):
+            model(torch.tensor([[5]]), cache=cache)
+    assert kept_positions(compiled_cache) == kept_positions(eager_cache)
+    if name.startswith(("window", "sink")):  # the ring's host replay keeps what the policy defines
+        total, sinks = PROMPT + STEPS + 1, 0 if name == "window" else 2
+        assert kept_positions(compiled_cache)[0] == list(range(sinks)) + list(range(total - 8, total))
+
+
+def test_a_prompt_within_the_budget_fills_the_buffer_statically(one_thread):
+    """Unfilled slots are masked: a window longer than the whole stream equals the pre-sized full cache."""
+    model = tiny_llama()
+    prompt = random_ids(1, 5, seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    windowed = decode(model, SlidingWindowCache(model, window=40), prompt, 20, compiled)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    assert decode(model, FullCache(model, max_length=40), prompt, 20, compiled) == windowed
+    assert decode(model, FullCache(model), prompt, 20) == windowed  # the growing full cache, eagerly
+
+
+def test_inductor_compiled_window_matches_eager(one_thread):
+    model = tiny_llama()
+    prompt = random_ids(1, PROMPT, seed=5)
+    expected = decode(model, SlidingWindowCache(model, window=8), prompt, 12)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True)
+    assert decode(model, SlidingWindowCache(model, window=8), prompt, 12, compiled) == expected
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8"])
+def test_generate_with_a_compile_config_compiles_the_decode_step(storage, one_thread):
+    model = tiny_llama()
+    prompt = random_ids(2, PROMPT, seed=6)
+    options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    expected = model.generate(prompt, cache=H2OCache(model, heavy=4, recent=4, storage=storage), **options)
+    config = CompileConfig(backend="eager", fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
+    torch._dynamo.reset()
+    counters.clear()
+    got = model.generate(
+        prompt, cache=H2OCache(model, heavy=4, recent=4, storage=storage), compile_config=config, **options
+    )
+    assert torch.equal(got, expected)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2  # the decode step, traced once (a recompile at most)
+
+
+def test_is_compileable_exactly_where_decode_steps_are_static():
+    model = tiny_llama()
+    assert SlidingWindowCache(model, window=4).is_compileable
+    assert FullCache(model, max_length=64).is_compileable
+    assert FP8Cache(model, max_length=64).is_compileable
+    assert not FullCache(model).is_compileable  # grows
+    assert not FP8Cache(model).is_compileable
+    assert not H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid").is_compileable  # sizes differ per layer
+    assert not SlidingWindowCache(tiny_gemma3(), window=4).is_compileable  # the model's own sliding layers
+
+
+def test_a_padded_batch_is_refused_inside_a_compiled_step_and_served_eagerly(one_thread):
+    model = tiny_llama()
+    ids = random_ids(2, PROMPT, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = SlidingWindowCache(model, window=8)
+    assert cache.is_compileable  # before the prefill nothing is known of the padding
+    with torch.no_grad():
+        token = model(ids, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+    assert not cache.is_compileable  # exact per-row masks from now on: generate() will not compile
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    # fullgraph: dynamo reports the cache's ValueError as its reason (without fullgraph it breaks the
+    # graph there and the step runs eagerly, with exact masks)
+    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match=NOT_STATIC), torch.no_grad():
+        compiled(input_ids=token, attention_mask=mask, cache=cache)
+    padded_full = FullCache(model, max_length=32)
+    with torch.no_grad():
+        model(ids, attention_mask=mask[:, :-1], cache=padded_full)
+    assert padded_full.is_compileable  # slot j holds position j: transformers' own mask is exact
+
+
+def test_a_presized_full_cache_refuses_to_grow():
+    model = tiny_llama()
+    cache = FullCache(model, max_length=10)
+    with torch.no_grad():
+        model(random_ids(1, 10), cache=cache)
+        with pytest.raises(ValueError, match="max_length=10"):
+            model(torch.tensor([[5]]), cache=cache)
