@@ -221,6 +221,9 @@ class PolicyCache(Cache):
         self.storage = storage
         self.padded: bool | None = None
         """Whether the batch is padded, read from the mask on multi-token forwards (never on a decode step)."""
+        self.sizes_differ_by_layer = False
+        """True where layers of one attention type may hold different numbers of tokens (pyramid or
+        adaptive layer budgets): each then needs its own mask (``masks``, with its attention hook)."""
         self.layer_masks: list[torch.Tensor] | None = None
         """Per layer, this forward's mask where layers return different numbers of keys (``masks``)."""
         from .masks import attach_mask_hook  # the hook module imports this one

@@ -76,7 +76,7 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         allowed = padding if padding.dtype == torch.bool else padding == 0
         padding = allowed[:, 0].any(dim=-2)
     dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
-    if len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
+    if cache.sizes_differ_by_layer and len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
         _layer_masks(cache, padding, inputs, query_length, module.config, dtype)
     if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
         return None

@@ -75,6 +75,7 @@ class ScoredCache(PolicyCache):
         super().__init__(model, make, storage=storage)
         attach_finish_hook(model)
         if layer_budgets != "uniform":
+            self.sizes_differ_by_layer = True
             attach_layer_mask_hook(model)  # layers then return different numbers of keys
 
     @classmethod
