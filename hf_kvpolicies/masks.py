@@ -71,10 +71,8 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if inputs is None:
         inputs = args[0]
     query_length = inputs.shape[1]
-    if isinstance(padding, torch.Tensor) and padding.dim() == 4 and query_length > 1 and cache.get_seq_length() == 0:
-        # generate() prepares 4-D masks for a compile-able cache: in its prefill, a pad is a key no query sees
-        allowed = padding if padding.dtype == torch.bool else padding == 0
-        padding = allowed[:, 0].any(dim=-2)
+    if query_length > 1 and cache.get_seq_length() == 0:
+        padding = prompt_padding(padding)
     dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
     if cache.sizes_differ_by_layer and len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
         _layer_masks(cache, padding, inputs, query_length, module.config, dtype)
@@ -97,6 +95,18 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         return None
     kwargs["attention_mask"] = exact_masks(cache, padding, query_length, module.config, dtype)
     return args, kwargs
+
+
+def prompt_padding(mask):
+    """The 2-D padding behind a prefill's mask. ``generate()`` hands a compile-able cache the masks
+    it prepared (4-D, or ``{layer_type: 4-D}`` for models with ``layer_types``): in a prefill, a pad
+    is a key that no query sees. Anything else is returned as it is."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention", next(iter(mask.values()), None))
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return mask
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return allowed[:, 0].any(dim=-2)
 
 
 def _layer_masks(cache, padding, inputs: torch.Tensor, query_length: int, config, dtype: torch.dtype) -> None:

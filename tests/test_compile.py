@@ -178,3 +178,32 @@ def test_a_presized_full_cache_refuses_to_grow():
         model(random_ids(1, 10), cache=cache)
         with pytest.raises(ValueError, match="max_length=10"):
             model(torch.tensor([[5]]), cache=cache)
+
+
+@torch.no_grad()
+def step_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """``[steps, vocab]`` logits of eager greedy decoding after an eager prefill."""
+    token = model(prompt, cache=cache).logits[:, -1:].argmax(-1)
+    logits = []
+    for _ in range(steps):
+        out = model(input_ids=token, cache=cache).logits[:, -1]
+        logits.append(out[0])
+        token = out.argmax(-1, keepdim=True)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "fp8:residual=3"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_static_steps_give_the_logits_of_the_host_bookkept_path(name, storage, one_thread):
+    """The static step (whole fixed buffer, device indices) and the eager update that the prefill
+    and padded batches take (host slot bookkeeping) are two implementations of one policy: they
+    must agree step for step (fp8 included: which tokens its residual holds natively)."""
+    model = tiny_llama()
+    prompt = random_ids(1, PROMPT, seed=8)
+    static, host = POLICIES[name](model, storage), POLICIES[name](model, storage)
+    for layer in host.layers:
+        layer.static_allowed = False
+    expected = step_logits(model, host, prompt, 24)
+    got = step_logits(model, static, prompt, 24)
+    assert static.layers[0].retention.static and not host.layers[0].retention.static
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)

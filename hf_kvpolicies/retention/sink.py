@@ -88,7 +88,7 @@ class SinkRetention(RingRetention):
         if self.rotary is not None:
             evicted = (self.seen_t + 1 - self.ring_capacity).clamp(min=0)
             sink_keys = self.rotary.rotate(self.sink_keys, evicted).to(self.sink_values.dtype)
-            storage.write_static(self._sink_slots, sink_keys, self.sink_values)
+            storage.rewrite_static(self._sink_slots, sink_keys, self.sink_values)
         return super().static_step(storage, keys, values)
 
     def _leave_static(self, storage: Storage, steps: int) -> None:

@@ -98,6 +98,10 @@ class Storage(ABC):
         """:meth:`write` to device ``slots`` (``[q]`` shared, or ``[batch, heads, q]``) with no host state."""
         self.write(slots, keys, values)
 
+    def rewrite_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`rewrite` in a static step: new content for kept tokens, no new token."""
+        self.write_static(slots, keys, values)
+
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot (the whole fixed-shape buffer), in the model's dtype."""
         return self.read(self.capacity)

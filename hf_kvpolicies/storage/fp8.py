@@ -328,6 +328,13 @@ class FP8Storage(Storage):
     def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The residual rules of :meth:`_remember`, decided on the device: entries shadowing a written
         slot take its content; a write of shared slots that were all shadowed already pushes nothing."""
+        self._write_static(slots, keys, values, push=True)
+
+    def rewrite_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """As :meth:`rewrite`: entries shadowing these slots are refreshed, none is pushed."""
+        self._write_static(slots, keys, values, push=False)
+
+    def _write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, push: bool) -> None:
         fresh = torch.cat([keys, values], dim=-1)
         payload, codes = self._quantise(fresh)
         if slots.dim() == 1:
@@ -344,6 +351,8 @@ class FP8Storage(Storage):
         source = match.to(torch.uint8).argmax(dim=-1)
         refreshed = fresh.gather(2, expand_slots(source, fresh))
         self.residual_values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.residual_values))
+        if not push:
+            return
         count = min(q, self.residual)
         ring = (self._ring + torch.arange(count, device=self.device)) % self.residual
         new_values = fresh[:, :, q - count :]
