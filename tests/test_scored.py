@@ -12,6 +12,7 @@ positions always stay; ties evict the oldest and keep the newest.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ class TOVARule:
 
 
 class KNormRule:
-    """Score: 1 / ||key|| (lower norm stays); the ``recent`` newest protected."""
+    """Score: 1 / ||key|| (lower norm stays) to 12 significant bits, so that copies of one token
+    tie exactly whatever fp32 noise their norms carry; the ``recent`` newest protected."""
 
     def __init__(self, budget: int, recent: int):
         self.budget, self.protected = budget, recent
@@ -75,7 +77,13 @@ class KNormRule:
         state["norm"] = keys.norm(dim=-1).reciprocal()
 
     def selection(self, state, stop, b, h, candidates):
-        return {p: float(state["norm"][b, h, p]) for p in candidates}
+        return {p: significant(float(state["norm"][b, h, p]), 12) for p in candidates}
+
+
+def significant(value: float, bits: int) -> float:
+    """``value`` rounded to ``bits`` significant bits (half to even, as Python's ``round``)."""
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent)
 
 
 @torch.no_grad()
@@ -277,6 +285,21 @@ def test_beam_search_and_fp8_storage_keep_the_same_positions(name, one_thread):
             shared = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(mine.flatten(0, 1), theirs.flatten(0, 1)))
             assert shared >= 0.8 * mine.numel()
     assert fp8.get_memory_footprint() < native.get_memory_footprint()
+
+
+def test_knorm_scores_copies_of_a_key_alike_despite_fp32_noise():
+    """Copies of one key differing in their last bits (as a projection of 3 rows and of 1 differ)
+    score exactly alike, so the shared rule breaks their tie by age; distinct keys stay apart."""
+    from hf_kvpolicies.retention.knorm import KNormRetention, rounded
+    from hf_kvpolicies.retention.scored import Attended
+
+    key = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    noisy = key * (1 + 2**-21)  # a few units in the last place
+    keys = torch.stack([key, noisy, key * 1.01]).view(1, 1, 3, 16)
+    assert key.norm() != noisy.norm()
+    scores = KNormRetention(budget=2, recent=0).score(Attended(keys, keys, 0, 0), torch.zeros(1, 1, 3), {})
+    assert scores[0, 0, 0] == scores[0, 0, 1] != scores[0, 0, 2]
+    assert torch.equal(rounded(torch.tensor([1 + 2**-11, 1 + 2**-13, 3.0])), torch.tensor([1 + 2**-11, 1.0, 3.0]))
 
 
 def test_reorder_moves_the_observation_history_with_the_rows(one_thread):
