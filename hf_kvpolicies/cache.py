@@ -172,6 +172,8 @@ class PolicyCache(Cache):
 
         self.model_token = attach_mask_hook(model)
         self.attn_implementation = model.config._attn_implementation
+        self.flex_on_cpu = self.attn_implementation == "flex_attention" and model.device.type == "cpu"
+        """Masks then take a tensor kv offset (:meth:`get_mask_sizes`), for the implementation the cache was built under."""
         self._announced: int | None = None
 
     def _policy_retention(self, model, retention: RetentionFactory, layout: LayerLayout) -> Retention:
@@ -215,7 +217,14 @@ class PolicyCache(Cache):
         cache's model did not announce comes from another model instance."""
         if self._announced != self.get_seq_length():
             raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
-        return super().get_mask_sizes(query_length, layer_idx)
+        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if self.flex_on_cpu:
+            # torch 2.13's CPU flex_attention (an inductor C++ template) fails to compile once a
+            # recompilation makes the mask's int offsets symbolic ("'cur_kvSplitSize0' was not
+            # declared in this scope"), as an evicting cache's kv offset, changing at every decode
+            # step, does; the offset as a tensor keeps every forward of the cache on graphs that compile
+            return kv_length, torch.tensor(kv_offset)
+        return kv_length, kv_offset
 
     # --- rolling back (assisted decoding, prompt lookup) ------------------------------------
     def _refuse_rollback(self) -> None:

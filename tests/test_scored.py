@@ -349,6 +349,35 @@ def test_policies_that_read_queries_refuse_other_attention_at_construction(name,
     KNormCache(model, budget=8, recent=3)  # reads no queries: any implementation
 
 
+@torch.no_grad()
+def _prefill_decode_chunk(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill 16 tokens (trimmed), decode 10 one at a time, a 6-token chunk, then 8 more steps."""
+    out = [model(ids[:, :16], cache=cache).logits]
+    out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(16, 26)]
+    out.append(model(ids[:, 26:32], cache=cache).logits)
+    out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(32, 40)]
+    return torch.cat(out, dim=1)
+
+
+def test_knorm_evicts_alike_under_eager_sdpa_and_flex_attention(one_thread):
+    """KNorm reads no queries, so every attention implementation serves it: the same kept
+    positions and logits under eager, sdpa and flex_attention (compiled, on CPU: the cache hands
+    flex a tensor kv offset, see ``PolicyCache.get_mask_sizes``). flash_attention_2 has no CPU
+    kernel; its construction is accepted (test_policies_that_read_queries_refuse_other_attention...)."""
+    ids = random_ids(1, 40, seed=6)
+    logits, kept = {}, {}
+    for implementation in ("sdpa", "eager", "flex_attention"):
+        model = tiny_llama()
+        model.set_attn_implementation(implementation)
+        cache = KNormCache(model, budget=10, recent=4)
+        logits[implementation] = _prefill_decode_chunk(model, cache, ids)
+        kept[implementation] = [layer.retention.kept_positions() for layer in cache.layers]
+        assert cache.stored_tokens(0) < 40 and cache.get_seq_length() == 40
+    for implementation in ("eager", "flex_attention"):
+        torch.testing.assert_close(logits[implementation], logits["sdpa"], atol=1e-5, rtol=0)
+        assert all(torch.equal(a, b) for a, b in zip(kept[implementation], kept["sdpa"]))
+
+
 def test_specs_and_budget_parameters():
     model = tiny_llama()
     cache = from_spec(model, "snapkv:budget=64,window=16,kernel=5,pooling=avg,layer_budgets=pyramid")
