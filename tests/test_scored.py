@@ -287,6 +287,25 @@ def test_beam_search_and_fp8_storage_keep_the_same_positions(name, one_thread):
     assert fp8.get_memory_footprint() < native.get_memory_footprint()
 
 
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3])
+def test_snapkv_and_tova_receive_only_the_last_queries_they_read(make_model, one_thread):
+    """At a 24-token prefill the hook rotates SnapKV's window (4) and TOVA's last query only:
+    exactly those rows of the queries H2O (which reads every query) receives."""
+    model = make_model()
+    ids = random_ids(1, 24)
+    received = {}
+    for name, cache in [("h2o", H2OCache(model, heavy=4, recent=4)), ("snapkv", SnapKVCache(model, budget=8, window=4)),
+                        ("tova", TOVACache(model, budget=8))]:
+        retention = cache.layers[full_layers(model)[0]].retention
+        retention.receive_query = lambda query, *rest, name=name, own=retention.receive_query: (
+            received.__setitem__(name, query), own(query, *rest))
+        with torch.no_grad():
+            model(ids, cache=cache)
+    assert received["h2o"].shape[-2] == 24
+    assert torch.equal(received["snapkv"], received["h2o"][:, :, -4:])
+    assert torch.equal(received["tova"], received["h2o"][:, :, -1:])
+
+
 def test_knorm_scores_copies_of_a_key_alike_despite_fp32_noise():
     """Copies of one key differing in their last bits (as a projection of 3 rows and of 1 differ)
     score exactly alike, so the shared rule breaks their tie by age; distinct keys stay apart."""
