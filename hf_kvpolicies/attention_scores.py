@@ -48,7 +48,6 @@ SCORE_CHUNK_ELEMENTS = 1 << 20
 in cache between the product, the softmax and the sum, which is what makes scoring cheap)."""
 
 Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-QueryReceiver = Callable[[torch.Tensor, float, "torch.Tensor | None"], None]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -117,8 +116,10 @@ def detach_query_hook(model: nn.Module) -> None:
     setattr(decoder, HOOK_ATTRIBUTE, None)
 
 
-def query_receiver(cache: object, layer_idx: int) -> QueryReceiver | None:
-    """Who takes the queries of layer ``layer_idx`` in the cache's next forward, if anyone.
+def query_receiver(cache: object, layer_idx: int) -> Any | None:
+    """Who takes the queries of layer ``layer_idx`` in the cache's next forward, if anyone: an
+    object with ``receive_query(query, scaling, attention_mask)`` and optionally ``query_rows``
+    (it reads only that many of a forward's last queries; ``None`` or absent: all of them).
 
     A :class:`PolicyCache` layer's retention when it ``needs_queries``; for any other
     ``transformers.Cache``, a layer that has ``receive_query`` itself (KVzip's reconstruction
@@ -126,9 +127,10 @@ def query_receiver(cache: object, layer_idx: int) -> QueryReceiver | None:
     """
     if isinstance(cache, PolicyCache):
         retention = cache.layers[layer_idx].retention
-        return retention.receive_query if getattr(retention, "needs_queries", False) else None
+        return retention if getattr(retention, "needs_queries", False) else None
     if isinstance(cache, Cache):
-        return getattr(cache.layers[layer_idx], "receive_query", None)
+        layer = cache.layers[layer_idx]
+        return layer if hasattr(layer, "receive_query") else None
     return None
 
 
@@ -138,7 +140,7 @@ class _QueryTap:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.rope: Rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-        self.receiver: QueryReceiver | None = None
+        self.receiver: Any | None = None
         self.position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
         self.mask: torch.Tensor | None = None
 
@@ -157,20 +159,25 @@ class _QueryTap:
         self.mask = kwargs.get("attention_mask")
 
     def capture(self, q_proj: nn.Module, args: tuple, projected: torch.Tensor) -> None:
-        """Forward hook of ``q_proj``: finish the query as the module does and hand it over."""
+        """Forward hook of ``q_proj``: finish the query as the module does and hand it over (only
+        the last ``query_rows`` rows where the receiver reads no more: a prefill's other queries
+        are never rotated)."""
         receiver, self.receiver = self.receiver, None
         if receiver is None:
             return
         module = self.module
+        cos, sin = self.position_embeddings
+        rows = getattr(receiver, "query_rows", None)
+        if rows is not None and rows < projected.shape[1]:
+            projected, cos, sin = projected[:, -rows:], cos[:, -rows:], sin[:, -rows:]
         query = projected.view(*projected.shape[:-1], -1, module.head_dim)
         norm = getattr(module, "q_norm", None)
         if norm is not None:
             query = norm(query)
         query = query.transpose(1, 2)
-        cos, sin = self.position_embeddings
         query, _ = self.rope(query, query[:, :0], cos, sin)  # the rotation takes a key too: an empty one
         mask, self.position_embeddings, self.mask = self.mask, None, None
-        receiver(query, module.scaling, mask)
+        receiver.receive_query(query, module.scaling, mask)
 
 
 def attention_chunks(

@@ -230,6 +230,8 @@ class PolicyCache(Cache):
 
         self.model_token = attach_mask_hook(model)
         self.attn_implementation = model.config._attn_implementation
+        self.flex_on_cpu = self.attn_implementation == "flex_attention" and model.device.type == "cpu"
+        """Masks then take a tensor kv offset (:meth:`get_mask_sizes`), for the implementation the cache was built under."""
         self._announced = self._masks_built = False
         static = self.static_layout()
         for layer in self.layers:
@@ -288,7 +290,14 @@ class PolicyCache(Cache):
         compile-able cache, in ``generate()`` just before it): a forward that follows without the
         announcement of the cache's model's hook comes from another model instance."""
         self._masks_built = True
-        return super().get_mask_sizes(query_length, layer_idx)
+        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        if self.flex_on_cpu:
+            # torch 2.13's CPU flex_attention (an inductor C++ template) fails to compile once a
+            # recompilation makes the mask's int offsets symbolic ("'cur_kvSplitSize0' was not
+            # declared in this scope"), as an evicting cache's kv offset, changing at every decode
+            # step, does; the offset as a tensor keeps every forward of the cache on graphs that compile
+            return kv_length, torch.tensor(kv_offset)
+        return kv_length, kv_offset
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

@@ -12,6 +12,7 @@ positions always stay; ties evict the oldest and keep the newest.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ class TOVARule:
 
 
 class KNormRule:
-    """Score: 1 / ||key|| (lower norm stays); the ``recent`` newest protected."""
+    """Score: 1 / ||key|| (lower norm stays) to 12 significant bits, so that copies of one token
+    tie exactly whatever fp32 noise their norms carry; the ``recent`` newest protected."""
 
     def __init__(self, budget: int, recent: int):
         self.budget, self.protected = budget, recent
@@ -75,7 +77,13 @@ class KNormRule:
         state["norm"] = keys.norm(dim=-1).reciprocal()
 
     def selection(self, state, stop, b, h, candidates):
-        return {p: float(state["norm"][b, h, p]) for p in candidates}
+        return {p: significant(float(state["norm"][b, h, p]), 12) for p in candidates}
+
+
+def significant(value: float, bits: int) -> float:
+    """``value`` rounded to ``bits`` significant bits (half to even, as Python's ``round``)."""
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent)
 
 
 @torch.no_grad()
@@ -280,6 +288,40 @@ def test_beam_search_and_fp8_storage_keep_the_same_positions(name, one_thread):
     assert fp8.get_memory_footprint() < native.get_memory_footprint()
 
 
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3])
+def test_snapkv_and_tova_receive_only_the_last_queries_they_read(make_model, one_thread):
+    """At a 24-token prefill the hook rotates SnapKV's window (4) and TOVA's last query only:
+    exactly those rows of the queries H2O (which reads every query) receives."""
+    model = make_model()
+    ids = random_ids(1, 24)
+    received = {}
+    for name, cache in [("h2o", H2OCache(model, heavy=4, recent=4)), ("snapkv", SnapKVCache(model, budget=8, window=4)),
+                        ("tova", TOVACache(model, budget=8))]:
+        retention = cache.layers[full_layers(model)[0]].retention
+        retention.receive_query = lambda query, *rest, name=name, own=retention.receive_query: (
+            received.__setitem__(name, query), own(query, *rest))
+        with torch.no_grad():
+            model(ids, cache=cache)
+    assert received["h2o"].shape[-2] == 24
+    assert torch.equal(received["snapkv"], received["h2o"][:, :, -4:])
+    assert torch.equal(received["tova"], received["h2o"][:, :, -1:])
+
+
+def test_knorm_scores_copies_of_a_key_alike_despite_fp32_noise():
+    """Copies of one key differing in their last bits (as a projection of 3 rows and of 1 differ)
+    score exactly alike, so the shared rule breaks their tie by age; distinct keys stay apart."""
+    from hf_kvpolicies.retention.knorm import KNormRetention, rounded
+    from hf_kvpolicies.retention.scored import Attended
+
+    key = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    noisy = key * (1 + 2**-21)  # a few units in the last place
+    keys = torch.stack([key, noisy, key * 1.01]).view(1, 1, 3, 16)
+    assert key.norm() != noisy.norm()
+    scores = KNormRetention(budget=2, recent=0).score(Attended(keys, keys, 0, 0), torch.zeros(1, 1, 3), {})
+    assert scores[0, 0, 0] == scores[0, 0, 1] != scores[0, 0, 2]
+    assert torch.equal(rounded(torch.tensor([1 + 2**-11, 1 + 2**-13, 3.0])), torch.tensor([1 + 2**-11, 1.0, 3.0]))
+
+
 def test_reorder_moves_the_observation_history_with_the_rows(one_thread):
     model = peaked(tiny_llama(), factor=8.0)
     ids = random_ids(2, 50, seed=4)
@@ -325,6 +367,35 @@ def test_policies_that_read_queries_refuse_other_attention_at_construction(name,
     with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\)"):
         SCORED[name](model)
     KNormCache(model, budget=8, recent=3)  # reads no queries: any implementation
+
+
+@torch.no_grad()
+def _prefill_decode_chunk(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill 16 tokens (trimmed), decode 10 one at a time, a 6-token chunk, then 8 more steps."""
+    out = [model(ids[:, :16], cache=cache).logits]
+    out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(16, 26)]
+    out.append(model(ids[:, 26:32], cache=cache).logits)
+    out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(32, 40)]
+    return torch.cat(out, dim=1)
+
+
+def test_knorm_evicts_alike_under_eager_sdpa_and_flex_attention(one_thread):
+    """KNorm reads no queries, so every attention implementation serves it: the same kept
+    positions and logits under eager, sdpa and flex_attention (compiled, on CPU: the cache hands
+    flex a tensor kv offset, see ``PolicyCache.get_mask_sizes``). flash_attention_2 has no CPU
+    kernel; its construction is accepted (test_policies_that_read_queries_refuse_other_attention...)."""
+    ids = random_ids(1, 40, seed=6)
+    logits, kept = {}, {}
+    for implementation in ("sdpa", "eager", "flex_attention"):
+        model = tiny_llama()
+        model.set_attn_implementation(implementation)
+        cache = KNormCache(model, budget=10, recent=4)
+        logits[implementation] = _prefill_decode_chunk(model, cache, ids)
+        kept[implementation] = [layer.retention.kept_positions() for layer in cache.layers]
+        assert cache.stored_tokens(0) < 40 and cache.get_seq_length() == 40
+    for implementation in ("eager", "flex_attention"):
+        torch.testing.assert_close(logits[implementation], logits["sdpa"], atol=1e-5, rtol=0)
+        assert all(torch.equal(a, b) for a, b in zip(kept[implementation], kept["sdpa"]))
 
 
 def test_specs_and_budget_parameters():

@@ -18,7 +18,10 @@ class KNormCache(ScoredCache):
     Per layer and KV head, keeps the ``recent`` newest tokens plus the ``budget - recent`` others
     whose keys have the lowest L2 norm. It reads no queries and no attention weights, so it works
     with every attention implementation (``flex_attention`` and ``flash_attention_2`` included;
-    padded batches need ``sdpa`` or ``eager`` for their exact mask).
+    padded batches need ``sdpa`` or ``eager`` for their exact mask). Tested on CPU under eager, sdpa
+    and flex_attention (torch 2.13 compiles flex there; pyramid or adaptive layer budgets under
+    flex on CPU still hit an inductor compile error, "'cur_kvSplitSize0' was not declared", so use
+    sdpa for those); flash_attention_2 has no CPU kernel, its construction is accepted.
     """
 
     def __init__(

@@ -52,7 +52,8 @@ class Attended:
     ``q`` new ones sits at key index ``first_new + i`` for causality; ``new_keys`` are the
     incoming keys as the model computed them (before any storage rounding), held at ``new_slots``
     of ``keys`` (a start index, or ``[batch, kv_heads, 1]`` for a decode step written in place);
-    ``query`` is ``None`` for statistics that need no queries.
+    ``query`` holds the new queries (only the last ``query_rows`` where the statistic sets it),
+    ``None`` for statistics that need no queries.
     ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real).
     """
 
@@ -86,6 +87,9 @@ class ScoredRetention(Retention):
 
     needs_queries = True
     """True when :meth:`score` reads the queries (the q_proj hook then hands them over)."""
+    query_rows: int | None = None
+    """How many of a forward's last queries :meth:`score` reads (``None``: all): the hook rotates
+    only those, so a statistic of the last queries costs a long prompt nothing for the others."""
 
     def __init__(self, budget: int, protected: int = 0) -> None:
         super().__init__()
@@ -314,7 +318,7 @@ class ScoredRetention(Retention):
     # --- internals --------------------------------------------------------------------------
     def _take_query(self, q: int) -> tuple[torch.Tensor, float]:
         pending, self._query = self._query, None
-        if pending is None or pending[0].shape[-2] != q:
+        if pending is None or pending[0].shape[-2] != min(q, self.query_rows or q):
             raise RuntimeError(
                 f"{type(self).__name__} received keys without the queries of the same forward: use the cache only "
                 "with the model it was built for (its constructor installs the hook that sees the queries)"

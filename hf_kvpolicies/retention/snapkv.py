@@ -32,6 +32,7 @@ class SnapKVRetention(ScoredRetention):
     def __init__(self, budget: int, window: int, kernel: int, pooling: str) -> None:
         super().__init__(budget, protected=window)
         self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.query_rows = window  # the observation window's queries only
 
     def extra_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"history": torch.zeros(batch, heads, self.window, slots, dtype=torch.float32, device=device)}

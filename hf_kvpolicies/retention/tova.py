@@ -16,6 +16,8 @@ from .scored import Attended, ScoredRetention
 class TOVARetention(ScoredRetention):
     """The ``budget`` tokens the latest query attends to most, per (row, KV head)."""
 
+    query_rows = 1  # the latest query only
+
     def __init__(self, budget: int) -> None:
         super().__init__(budget, protected=0)
 

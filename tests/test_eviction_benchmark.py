@@ -1,0 +1,36 @@
+"""The eviction benchmark's prefill timing: contenders in turn, medians, paired ratios to full."""
+
+from __future__ import annotations
+
+from tiny_models import random_ids, tiny_llama
+
+from eval.benchmarks.eviction import prefill_seconds, targets
+from eval.benchmarks.runner import Contender
+from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache
+
+
+def test_prefill_seconds_gives_each_contender_its_median_and_ratio_to_full(one_thread):
+    model = tiny_llama()
+    made = []
+
+    def counting(factory):
+        return lambda m: made.append(factory.__name__) or factory(m)
+
+    def full(m):
+        return FullCache(m)
+
+    def knorm(m):
+        return KNormCache(m, budget=16, recent=4)
+
+    def window(m):
+        return SlidingWindowCache(m, window=16)
+
+    contenders = [Contender(name, counting(f)) for name, f in [("window", window), ("full", full), ("knorm", knorm)]]
+    prefill_seconds(model, random_ids(1, 64), contenders, rounds=3)
+    assert made == ["window", "full", "knorm", "full", "knorm", "window", "knorm", "window", "full"]  # turns rotate
+    figures = {c.label: c.figures for c in contenders}
+    assert figures["full"]["prefill / full @64"] == 1.0
+    assert all(f["prefill s @64"] > 0 and f["prefill / full @64"] > 0 for f in figures.values())
+    lines = targets({c.label: c for c in contenders}, [], "prefill / full @64")
+    ratio = figures["knorm"]["prefill / full @64"]
+    assert lines == [f"knorm prefill / full @64: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'MISSED'}, <= 1.3)"]
