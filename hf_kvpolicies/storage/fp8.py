@@ -369,17 +369,20 @@ class FP8Storage(Storage):
         self._ring.copy_((self._ring + advance) % self.residual)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scattered straight into the decoded buffers: entries in no use (``-1``) repeat entry 0,
+        which every static step's write has filled by the time it reads (the first push lands
+        there), and entries that share a slot agree, so they write nothing new and no copy of the
+        whole buffer is needed."""
         keys, values = self._dequantise(self.payload, self.scales)
         if not self.residual:
             return keys, values
-        # entries in no use (-1) land in one extra slot, dropped after the scatter
-        index = torch.where(self.residual_slots >= 0, self.residual_slots, self.capacity)
-        out = []
-        for decoded, native in zip((keys, values), self._split(self.residual_values)):
-            padded = torch.cat([decoded, decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])], dim=2)
-            padded.scatter_(2, expand_slots(index, padded), native)
-            out.append(padded[:, :, : self.capacity])
-        return out[0], out[1]
+        used = self.residual_slots >= 0
+        index = torch.where(used, self.residual_slots, self.residual_slots[..., :1])
+        native = torch.where(used.unsqueeze(-1), self.residual_values, self.residual_values[..., :1, :])
+        native_keys, native_values = self._split(native)
+        keys.scatter_(2, expand_slots(index, keys), native_keys)
+        values.scatter_(2, expand_slots(index, values), native_values)
+        return keys, values
 
     def leave_static(self) -> None:
         """The residual's host bookkeeping from the device (one read, outside decode steps)."""
