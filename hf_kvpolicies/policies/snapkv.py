@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from ..retention.snapkv import SnapKVRetention
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
-from .scored import LayerBudgets, ScoredCache
+from .scored import Heads, LayerBudgets, ScoredCache
 
 WINDOW = 32
 
@@ -37,6 +37,7 @@ class SnapKVCache(ScoredCache):
         pooling: Literal["max", "avg"] = "max",
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
+        heads: Heads = "each",
     ) -> None:
         check_int("budget", budget, minimum=1)
         check_int("window", window, minimum=1)
@@ -51,7 +52,8 @@ class SnapKVCache(ScoredCache):
         check_choice("pooling", pooling, ("max", "avg"))
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         super().__init__(
-            model, lambda: SnapKVRetention(budget, window, kernel, pooling), layer_budgets=layer_budgets, storage=storage
+            model, lambda: SnapKVRetention(budget, window, kernel, pooling), layer_budgets=layer_budgets, storage=storage,
+            heads=heads,
         )
 
     @classmethod
