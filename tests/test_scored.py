@@ -27,9 +27,10 @@ class SnapKVRule:
     """Score: attention from the last ``window`` queries (summed over the group); trim: that
     score max- or avg-pooled over the kept tokens in position order, the window left out."""
 
-    def __init__(self, budget: int, window: int, kernel: int, pooling: str = "max"):
+    def __init__(self, budget: int, window: int, kernel: int, pooling: str = "max", spread: str = "centred"):
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         self.protected = window
+        self.span = (kernel // 2, kernel // 2) if spread == "centred" else (kernel - 1, 0)  # tokens before, after
 
     def observe(self, state, attention, keys, start, stop):
         state.setdefault("rows", {})
@@ -42,9 +43,9 @@ class SnapKVRule:
         values = {p: float(raw[p]) for p in inside}
         order = sorted(candidates)
         pooled = {}
-        half = self.kernel // 2
+        before, after = self.span
         for j, p in enumerate(order):
-            around = [values.get(order[k]) for k in range(j - half, j + half + 1) if 0 <= k < len(order)]
+            around = [values.get(order[k]) for k in range(j - before, j + after + 1) if 0 <= k < len(order)]
             if self.pooling == "max":
                 pooled[p] = max((v for v in around if v is not None), default=float("-inf"))
             else:
@@ -169,6 +170,10 @@ POLICIES = {
         lambda m, **kw: SnapKVCache(m, budget=12, window=3, kernel=7, pooling="avg", **kw),
         lambda: SnapKVRule(12, 3, 7, "avg"),
     ),
+    "snapkv-forward4": (
+        lambda m, **kw: SnapKVCache(m, budget=12, window=3, kernel=4, spread="forward", **kw),
+        lambda: SnapKVRule(12, 3, 4, spread="forward"),
+    ),
     "tova": (lambda m, **kw: TOVACache(m, budget=8, **kw), lambda: TOVARule(8)),
     "knorm": (lambda m, **kw: KNormCache(m, budget=10, recent=3, **kw), lambda: KNormRule(10, 3)),
 }
@@ -182,12 +187,17 @@ CASES = [
         ("llama-mqa", "chunks, also after evictions"),
     ]
     if (policy, model) != ("knorm", "gemma3-mqa")  # Gemma 3 normalises its keys: their norms nearly tie
-] + [("snapkv-avg7", "llama-gqa", "long prompt"), ("knorm", "llama-gqa", "short prompt fills then evicts")]
+] + [
+    ("snapkv-avg7", "llama-gqa", "long prompt"),
+    ("snapkv-forward4", "llama-gqa", "chunks, also after evictions"),
+    ("knorm", "llama-gqa", "short prompt fills then evicts"),
+]
 
 
 SHARED_CASES = [
     ("snapkv", "llama-gqa", "long prompt"),
     ("snapkv", "llama-gqa", "chunks, also after evictions"),
+    ("snapkv-forward4", "llama-gqa", "long prompt"),
     ("tova", "llama-gqa", "chunks, also after evictions"),
     ("knorm", "llama-gqa", "short prompt fills then evicts"),
 ]
@@ -336,6 +346,7 @@ def test_reorder_moves_the_observation_history_with_the_rows(one_thread):
         (lambda m: TOVACache(m, budget=8, layer_budgets="linear"), "layer_budgets='uniform', 'pyramid' or 'adaptive'"),
         (lambda m: H2OCache(m, heavy=4, recent=4, layer_budgets="Pyramid"), "layer_budgets must be one of"),
         (lambda m: SnapKVCache(m, budget=64, heads="all"), "heads='each' .* or 'shared'"),
+        (lambda m: SnapKVCache(m, budget=64, spread="after"), "spread must be one of"),
     ],
 )
 def test_bad_arguments_fail_at_construction(make, message):

@@ -35,6 +35,7 @@ class SnapKVCache(ScoredCache):
         window: int = WINDOW,
         kernel: int = 7,
         pooling: Literal["max", "avg"] = "max",
+        spread: Literal["centred", "forward"] = "centred",
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
         heads: Heads = "each",
@@ -47,12 +48,16 @@ class SnapKVCache(ScoredCache):
                 f"window={window} is larger than budget={budget}: the observation window is kept whole, "
                 "so give window <= budget (raise budget or lower window)"
             )
-        if kernel % 2 == 0:
+        check_choice("spread", spread, ("centred", "forward"))
+        if kernel % 2 == 0 and spread == "centred":
             raise ValueError(f"kernel={kernel} must be odd (pooling is centred on each token): use {kernel + 1}")
         check_choice("pooling", pooling, ("max", "avg"))
-        self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
+        self.budget, self.window, self.kernel, self.pooling, self.spread = budget, window, kernel, pooling, spread
         super().__init__(
-            model, lambda: SnapKVRetention(budget, window, kernel, pooling), layer_budgets=layer_budgets, storage=storage,
+            model,
+            lambda: SnapKVRetention(budget, window, kernel, pooling, spread),
+            layer_budgets=layer_budgets,
+            storage=storage,
             heads=heads,
         )
 
