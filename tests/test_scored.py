@@ -376,6 +376,13 @@ def test_specs_and_budget_parameters():
     assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 8}
     for name in ("snapkv", "tova", "knorm"):
         assert name in available_policies()
+    from eval.benchmarks.eviction import contender
+
+    named = contender("snapkv-shared", 64)  # the eviction benchmark's SnapKV for the needles
+    built = named.make(model)
+    assert (built.budget, built.window, built.kernel, built.heads) == (64, 32, 21, "shared")
+    assert named.label == "snapkv-shared budget=64,window=32,kernel=21,heads=shared"
+    assert from_spec(model, "snapkv:budget=64,heads=shared,spread=forward").spread == "forward"
 
 
 @pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])
