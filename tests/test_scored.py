@@ -378,10 +378,10 @@ def test_specs_and_budget_parameters():
         assert name in available_policies()
     from eval.benchmarks.eviction import contender
 
-    named = contender("snapkv-shared", 64)  # the eviction benchmark's SnapKV for the needles
+    named = contender("snapkv-k21", 64)  # the eviction benchmark's SnapKV for the needles
     built = named.make(model)
-    assert (built.budget, built.window, built.kernel, built.heads) == (64, 32, 21, "shared")
-    assert named.label == "snapkv-shared budget=64,window=32,kernel=21,heads=shared"
+    assert (built.budget, built.window, built.kernel, built.heads) == (64, 32, 21, "each")
+    assert named.label == "snapkv-k21 budget=64,window=32,kernel=21"
     assert from_spec(model, "snapkv:budget=64,heads=shared,spread=forward").spread == "forward"
 
 
