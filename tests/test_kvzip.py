@@ -52,37 +52,33 @@ MODELS = {
     "qwen3": tiny_qwen3,
 }
 CASES = [
-    ("llama-gqa", "long prompt", 2048, "each"),
-    ("llama-gqa", "long prompt", 10, "each"),  # the prompt reconstructed in three chunks
-    ("llama-gqa", "short prompt fills then evicts", 2048, "each"),
-    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048, "each"),
-    ("llama-gqa", "chunks, also after evictions", 2048, "each"),
-    ("llama-mqa", "chunks, also after evictions", 2048, "each"),
-    ("qwen3", "long prompt", 2048, "each"),
-    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048, "shared"),
-    ("llama-gqa", "chunks, also after evictions", 2048, "shared"),
+    ("llama-gqa", "long prompt", 2048),
+    ("llama-gqa", "long prompt", 10),  # the prompt reconstructed in three chunks
+    ("llama-gqa", "short prompt fills then evicts", 2048),
+    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048),
+    ("llama-gqa", "chunks, also after evictions", 2048),
+    ("llama-mqa", "chunks, also after evictions", 2048),
+    ("qwen3", "long prompt", 2048),
 ]
 
 
 @functools.cache
-def reference(model_name: str, schedule: str, chunk: int, heads: str):
+def reference(model_name: str, schedule: str, chunk: int):
     model = peaked(MODELS[model_name](), factor=8.0)
     model.set_attn_implementation("eager")
     chunks = SCHEDULES[schedule]
     ids = random_ids(1, sum(chunks), seed=5)
     reconstruction = reference_scores(model, ids[:, : chunks[0]], chunk)
-    return naive_eviction(model, ids, chunks, KVzipRule(BUDGET, RECENT, reconstruction), heads == "shared")
+    return naive_eviction(model, ids, chunks, KVzipRule(BUDGET, RECENT, reconstruction))
 
 
-@pytest.mark.parametrize("model_name, schedule, chunk, heads", CASES)
-def test_matches_naive_reference(model_name, schedule, chunk, heads, one_thread):
+@pytest.mark.parametrize("model_name, schedule, chunk", CASES)
+def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
     """Kept positions per layer and KV head after every forward (64+ decode steps), and logits."""
-    expected_logits, expected_kept = reference(model_name, schedule, chunk, heads)
+    expected_logits, expected_kept = reference(model_name, schedule, chunk)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
-    cache = KVzipCache(
-        model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER, heads=heads
-    )
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER)
     logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:

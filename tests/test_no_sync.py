@@ -26,18 +26,14 @@ STORAGES = ("native", "fp8")
 
 def cases():
     for name in available_policies():
-        parameters = inspect.signature(policy_constructor(name)).parameters
-        for storage in STORAGES if "storage" in parameters else (None,):
-            yield pytest.param(name, storage, None, id=f"{name}-{storage or 'own'}")
-        if "heads" in parameters:  # one selection for every KV head of a layer (scored policies)
-            yield pytest.param(name, "native", "shared", id=f"{name}-native-shared-heads")
+        takes_storage = "storage" in inspect.signature(policy_constructor(name)).parameters
+        for storage in STORAGES if takes_storage else (None,):
+            yield pytest.param(name, storage, id=f"{name}-{storage or 'own'}")
 
 
-def build(model, name: str, storage: str | None, heads: str | None = None):
+def build(model, name: str, storage: str | None):
     constructor = policy_constructor(name)
     kwargs = dict(constructor.budget_parameters(BUDGET) or {})
-    if heads is not None:
-        kwargs["heads"] = heads
     if "tokenizer" in inspect.signature(constructor).parameters:
         kwargs["tokenizer"] = char_tokenizer()  # KVzip writes its repeat prompt with it
     if storage is not None:
@@ -47,12 +43,12 @@ def build(model, name: str, storage: str | None, heads: str | None = None):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-@pytest.mark.parametrize(("name", "storage", "heads"), list(cases()))
+@pytest.mark.parametrize(("name", "storage"), list(cases()))
 @torch.no_grad()
-def test_decode_steps_read_nothing_back_from_the_device(name, storage, heads, make_model, padded, monkeypatch, one_thread):
+def test_decode_steps_read_nothing_back_from_the_device(name, storage, make_model, padded, monkeypatch, one_thread):
     model = make_model()
     try:
-        cache = build(model, name, storage, heads)
+        cache = build(model, name, storage)
     except ValueError as error:  # a policy that cannot serve a model refuses it at construction, naming why
         assert make_model is tiny_gemma3 and "sliding" in str(error)
         return

@@ -27,10 +27,9 @@ class SnapKVRule:
     """Score: attention from the last ``window`` queries (summed over the group); trim: that
     score max- or avg-pooled over the kept tokens in position order, the window left out."""
 
-    def __init__(self, budget: int, window: int, kernel: int, pooling: str = "max", spread: str = "centred"):
+    def __init__(self, budget: int, window: int, kernel: int, pooling: str = "max"):
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         self.protected = window
-        self.span = (kernel // 2, kernel // 2) if spread == "centred" else (kernel - 1, 0)  # tokens before, after
 
     def observe(self, state, attention, keys, start, stop):
         state.setdefault("rows", {})
@@ -43,9 +42,9 @@ class SnapKVRule:
         values = {p: float(raw[p]) for p in inside}
         order = sorted(candidates)
         pooled = {}
-        before, after = self.span
+        half = self.kernel // 2
         for j, p in enumerate(order):
-            around = [values.get(order[k]) for k in range(j - before, j + after + 1) if 0 <= k < len(order)]
+            around = [values.get(order[k]) for k in range(j - half, j + half + 1) if 0 <= k < len(order)]
             if self.pooling == "max":
                 pooled[p] = max((v for v in around if v is not None), default=float("-inf"))
             else:
@@ -80,9 +79,8 @@ class KNormRule:
 
 
 @torch.no_grad()
-def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule, shared: bool = False):
-    """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions;
-    ``shared``: every KV head keeps the tokens ranked best by the sum of the heads' normalised scores."""
+def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
+    """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions."""
     batch, total = ids.shape
     kv_heads = model.config.num_key_value_heads
     groups = model.config.num_attention_heads // kv_heads
@@ -121,18 +119,14 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule, shared: bo
                     candidates = before + list(range(start, stop))
                     protected = [p for p in candidates if p > stop - 1 - rule.protected]
                     others = [p for p in candidates if p not in protected]
-                    if shared:  # one ranking for every head: each head's scores over `others` sum to one, summed
-                        per_head = [rule.selection(state[i], stop, b, g, candidates) for g in range(kv_heads)]
-                        totals = [sum(r[p] for p in others) or 1.0 for r in per_head]
-                        ranked = {p: sum(r[p] / t for r, t in zip(per_head, totals)) for p in others}
-                    else:
-                        ranked = rule.selection(state[i], stop, b, h, candidates)
                     if len(candidates) <= rule.budget:
                         chosen = candidates
                     elif len(before) + length <= rule.budget + 1:  # written in place: evict one
+                        ranked = rule.selection(state[i], stop, b, h, candidates)
                         victim = min(others, key=lambda p: (ranked[p], p))
                         chosen = [p for p in candidates if p != victim]
                     else:  # trimmed: the protected tokens plus the best by the selection scores
+                        ranked = rule.selection(state[i], stop, b, h, candidates)
                         best = sorted(others, key=lambda p: (-ranked[p], -p))[: rule.budget - len(protected)]
                         chosen = sorted(protected + best)
                     kept[i][b][h] = sorted(chosen)
@@ -165,17 +159,13 @@ MODELS = {
     "llama-mqa": functools.partial(tiny_llama, num_key_value_heads=1),
 }
 POLICIES = {
-    "snapkv": (lambda m, **kw: SnapKVCache(m, budget=10, window=4, kernel=3, **kw), lambda: SnapKVRule(10, 4, 3)),
+    "snapkv": (lambda m: SnapKVCache(m, budget=10, window=4, kernel=3), lambda: SnapKVRule(10, 4, 3)),
     "snapkv-avg7": (
-        lambda m, **kw: SnapKVCache(m, budget=12, window=3, kernel=7, pooling="avg", **kw),
+        lambda m: SnapKVCache(m, budget=12, window=3, kernel=7, pooling="avg"),
         lambda: SnapKVRule(12, 3, 7, "avg"),
     ),
-    "snapkv-forward4": (
-        lambda m, **kw: SnapKVCache(m, budget=12, window=3, kernel=4, spread="forward", **kw),
-        lambda: SnapKVRule(12, 3, 4, spread="forward"),
-    ),
-    "tova": (lambda m, **kw: TOVACache(m, budget=8, **kw), lambda: TOVARule(8)),
-    "knorm": (lambda m, **kw: KNormCache(m, budget=10, recent=3, **kw), lambda: KNormRule(10, 3)),
+    "tova": (lambda m: TOVACache(m, budget=8), lambda: TOVARule(8)),
+    "knorm": (lambda m: KNormCache(m, budget=10, recent=3), lambda: KNormRule(10, 3)),
 }
 CASES = [
     (policy, model, schedule)
@@ -187,51 +177,30 @@ CASES = [
         ("llama-mqa", "chunks, also after evictions"),
     ]
     if (policy, model) != ("knorm", "gemma3-mqa")  # Gemma 3 normalises its keys: their norms nearly tie
-] + [
-    ("snapkv-avg7", "llama-gqa", "long prompt"),
-    ("snapkv-forward4", "llama-gqa", "chunks, also after evictions"),
-    ("knorm", "llama-gqa", "short prompt fills then evicts"),
-]
-
-
-SHARED_CASES = [
-    ("snapkv", "llama-gqa", "long prompt"),
-    ("snapkv", "llama-gqa", "chunks, also after evictions"),
-    ("snapkv-forward4", "llama-gqa", "long prompt"),
-    ("tova", "llama-gqa", "chunks, also after evictions"),
-    ("knorm", "llama-gqa", "short prompt fills then evicts"),
-]
-"""``heads="shared"`` (GQA: two KV heads that must agree; with one KV head it is ``"each"``)."""
+] + [("snapkv-avg7", "llama-gqa", "long prompt"), ("knorm", "llama-gqa", "short prompt fills then evicts")]
 
 
 @functools.cache
-def reference(policy: str, model_name: str, schedule: str, heads: str = "each"):
+def reference(policy: str, model_name: str, schedule: str):
     model = peaked(MODELS[model_name](), factor=8.0)
     model.set_attn_implementation("eager")
     chunks = SCHEDULES[schedule]
-    return naive_eviction(model, random_ids(1, sum(chunks), seed=5), chunks, POLICIES[policy][1](), heads == "shared")
+    return naive_eviction(model, random_ids(1, sum(chunks), seed=5), chunks, POLICIES[policy][1]())
 
 
-@pytest.mark.parametrize(
-    "policy, model_name, schedule, heads",
-    [(*case, "each") for case in CASES] + [(*case, "shared") for case in SHARED_CASES],
-)
-def test_matches_naive_reference(policy, model_name, schedule, heads, one_thread):
+@pytest.mark.parametrize("policy, model_name, schedule", CASES)
+def test_matches_naive_reference(policy, model_name, schedule, one_thread):
     """Kept positions per layer and KV head after every forward (64+ decode steps), and logits."""
-    expected_logits, expected_kept = reference(policy, model_name, schedule, heads)
+    expected_logits, expected_kept = reference(policy, model_name, schedule)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
-    cache = POLICIES[policy][0](model, heads=heads)
+    cache = POLICIES[policy][0](model)
     logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:
             assert torch.equal(got[layer], want[layer]), f"forward {step}, layer {layer}"
     final = kept[-1][full_layers(model)[0]]
     assert final.shape[-1] == cache.layers[full_layers(model)[0]].retention.budget
-    if heads == "shared":
-        assert all(torch.equal(k[layer], k[layer][:, :1].expand_as(k[layer])) for k in kept for layer in k)
-    elif final.shape[1] > 1:
-        assert not torch.equal(final[:, 0], final[:, 1])  # heads choose apart: the shared check can fail
     assert not torch.equal(final, torch.arange(sum(chunks) - final.shape[-1], sum(chunks)).expand_as(final))  # not a window
     torch.testing.assert_close(logits, expected_logits, atol=2e-5, rtol=0)
 
@@ -263,21 +232,19 @@ SCORED = {
 }
 
 
-@pytest.mark.parametrize(
-    "implementation, heads", [("sdpa", "each"), ("eager", "each"), ("sdpa", "shared")]
-)
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", sorted(SCORED))
-def test_left_padded_batch_equals_each_row_alone(name, implementation, heads, one_thread):
+def test_left_padded_batch_equals_each_row_alone(name, implementation, one_thread):
     """Rows of 20, 13 and 6 tokens (budget 8: trimmed, trimmed, filling), 40 generated tokens:
     logits and kept positions (shifted by the row's padding; pads never kept) as if alone."""
     model = peaked(tiny_llama(), factor=8.0)
     model.set_attn_implementation(implementation)
     rows = [random_ids(1, n, seed=s) for n, s in [(20, 1), (13, 2), (6, 3)]]
     ids, mask = left_padded(rows)
-    together = SCORED[name](model, heads=heads)
+    together = SCORED[name](model)
     logits = generated_logits(model, ids, together, 40, attention_mask=mask)
     for i, row in enumerate(rows):
-        alone = SCORED[name](model, heads=heads)
+        alone = SCORED[name](model)
         torch.testing.assert_close(logits[i : i + 1], generated_logits(model, row, alone, 40), atol=1e-5, rtol=0)
         pads = ids.shape[1] - row.shape[1]
         for a, b in zip(alone.layers, together.layers):
@@ -286,9 +253,8 @@ def test_left_padded_batch_equals_each_row_alone(name, implementation, heads, on
             assert torch.equal(mine[:, -a.retention.kept_positions().shape[-1] :] - pads, a.retention.kept_positions()[0])
 
 
-@pytest.mark.parametrize("heads", ["each", "shared"])
 @pytest.mark.parametrize("name", sorted(SCORED))
-def test_beam_search_and_fp8_storage_keep_the_same_positions(name, heads, one_thread):
+def test_beam_search_and_fp8_storage_keep_the_same_positions(name, one_thread):
     model = peaked(tiny_llama(), factor=8.0)
     ids = random_ids(1, 10, seed=3)
     covering = {"h2o": dict(heavy=30, recent=30)}.get(name, dict(budget=60))
@@ -298,15 +264,13 @@ def test_beam_search_and_fp8_storage_keep_the_same_positions(name, heads, one_th
     assert greedy(model, ids, cache, 16, num_beams=2).shape == (1, 26)
     assert cache.layers[1].retention.kept_positions().shape == (2, 2, 8)  # both beams at the budget
     long = random_ids(2, 60, seed=7)
-    native, fp8 = SCORED[name](model, heads=heads), SCORED[name](model, storage="fp8:residual=0", heads=heads)
+    native, fp8 = SCORED[name](model), SCORED[name](model, storage="fp8:residual=0")
     prefill_then_decode(model, long, native, prefill=30)
     prefill_then_decode(model, long, fp8, prefill=30)
     # key norms are taken from the keys as the model computed them: the same positions exactly; the
     # attention statistics see the fp8-rounded keys (as attention does), and only near-ties may differ
     for a, b in zip(native.layers, fp8.layers):
         mine, theirs = a.retention.kept_positions(), b.retention.kept_positions()
-        if heads == "shared":
-            assert torch.equal(theirs, theirs[:, :1].expand_as(theirs))  # fp8 keeps the heads together too
         if name == "knorm":
             assert torch.equal(mine, theirs)
         else:
@@ -345,8 +309,6 @@ def test_reorder_moves_the_observation_history_with_the_rows(one_thread):
         (lambda m: KNormCache(m, budget=8, recent=9), "recent <= budget"),
         (lambda m: TOVACache(m, budget=8, layer_budgets="linear"), "layer_budgets='uniform', 'pyramid' or 'adaptive'"),
         (lambda m: H2OCache(m, heavy=4, recent=4, layer_budgets="Pyramid"), "layer_budgets must be one of"),
-        (lambda m: SnapKVCache(m, budget=64, heads="all"), "heads='each' .* or 'shared'"),
-        (lambda m: SnapKVCache(m, budget=64, spread="after"), "spread must be one of"),
     ],
 )
 def test_bad_arguments_fail_at_construction(make, message):
@@ -379,10 +341,9 @@ def test_specs_and_budget_parameters():
     from eval.benchmarks.eviction import contender
 
     named = contender("snapkv-k21", 64)  # the eviction benchmark's SnapKV for the needles
-    built = named.make(model)
-    assert (built.budget, built.window, built.kernel, built.heads) == (64, 32, 21, "each")
     assert named.label == "snapkv-k21 budget=64,window=32,kernel=21"
-    assert from_spec(model, "snapkv:budget=64,heads=shared,spread=forward").spread == "forward"
+    built = named.make(model)
+    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 32, 21)
 
 
 @pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])

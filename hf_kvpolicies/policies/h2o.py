@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.h2o import H2ORetention
 from ..storage import StorageFactory
 from ..validation import check_tokens_or_fraction
-from .scored import Heads, LayerBudgets, ScoredCache
+from .scored import LayerBudgets, ScoredCache
 
 
 class H2OCache(ScoredCache):
@@ -37,14 +37,13 @@ class H2OCache(ScoredCache):
         recent: int | float = 512,
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         check_tokens_or_fraction("heavy", heavy)
         check_tokens_or_fraction("recent", recent)
         if isinstance(heavy, int) and isinstance(recent, int) and heavy + recent < 1:
             raise ValueError(f"heavy + recent must keep at least 1 token, got heavy={heavy}, recent={recent}")
         self.heavy, self.recent = heavy, recent
-        super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage, heads=heads)
+        super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.knorm import KNormRetention
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import Heads, LayerBudgets, ScoredCache
+from .scored import LayerBudgets, ScoredCache
 
 RECENT = 32
 
@@ -28,14 +28,13 @@ class KNormCache(ScoredCache):
         recent: int = RECENT,
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         check_int("budget", budget, minimum=1)
         check_int("recent", recent, minimum=0)
         if recent > budget:
             raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
         self.budget, self.recent = budget, recent
-        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, heads=heads)
+        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -14,7 +14,7 @@ from ..retention.kvzip import KVzipRetention
 from ..retention.layer_budgets import busiest_head_budgets
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import Heads, LayerBudgets, ScoredCache
+from .scored import LayerBudgets, ScoredCache
 
 IDS_HOOK_ATTRIBUTE = "_hf_kvpolicies_kvzip_ids_hook"
 
@@ -61,7 +61,6 @@ class KVzipCache(ScoredCache):
         chunk: int = DEFAULT_CHUNK,
         tokenizer: PreTrainedTokenizerBase | None = None,
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         check_int("budget", budget, 1)
         check_int("recent", recent, 0)
@@ -78,7 +77,7 @@ class KVzipCache(ScoredCache):
         self.context_ids: torch.Tensor | None = None
         """The first forward's ``input_ids`` (seen by a decoder pre-hook), until its reconstruction."""
         self.reconstructed = False
-        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, heads=heads)
+        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
         for retention in self.scored_layers():
             retention.defers_trim = True  # the first forward waits for its reconstruction scores
         attach_ids_hook(model)

@@ -5,13 +5,6 @@ the hooks the statistic needs (the query hooks of :mod:`hf_kvpolicies.attention_
 reads queries; the finishing hook always), and shares the budget among layers
 (``layer_budgets``: ``"uniform"``, ``"pyramid"`` or ``"adaptive"``).
 
-**Heads.** ``heads="each"`` (the papers' rule) lets every KV head keep its own best tokens;
-``heads="shared"`` ranks the tokens of a layer once for all its KV heads (each head's scores
-normalised to sum to one, then summed: :func:`~hf_kvpolicies.retention.scored.shared_over_heads`),
-so every head keeps the same tokens and evicts the same one at each step. A span the heads
-split between them (a number SmolLM2 writes digit by digit) is then kept whole or not at all.
-The memory is the same (``budget`` slots per head); only the choice differs.
-
 **The finishing hook.** A forward hook on the decoder, installed once per model and inert for
 every other cache, calls :meth:`ScoredCache.finish_prefill` after each forward. Layers whose
 retention deferred its trim (adaptive budgets need every layer's scores first) hold a
@@ -42,8 +35,6 @@ from ..validation import check_choice
 
 LayerBudgets = Literal["uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS = ("uniform", "pyramid", "adaptive")
-Heads = Literal["each", "shared"]
-HEADS = ("each", "shared")
 HOOK_ATTRIBUTE = "_hf_kvpolicies_finish_hook"
 
 
@@ -62,16 +53,11 @@ class ScoredCache(PolicyCache):
         retention: Callable[[], ScoredRetention],
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         try:
             check_choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
         except ValueError as error:
             raise ValueError(f"{error}: write layer_budgets='uniform', 'pyramid' or 'adaptive'") from None
-        try:
-            check_choice("heads", heads, HEADS)
-        except ValueError as error:
-            raise ValueError(f"{error}: write heads='each' (every KV head chooses) or 'shared' (one choice per layer)") from None
         if retention().needs_queries:
             check_attention_implementation(type(self).__name__, model.config._attn_implementation)
             attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
@@ -83,10 +69,9 @@ class ScoredCache(PolicyCache):
                 index, count = governed.index(layout.index), len(governed)
                 layer.layer_budget = lambda budget, protected: pyramid_budgets(budget, protected, count)[index]
             layer.defers_trim = layer_budgets == "adaptive" or self.defer_every_prefill
-            layer.shared_heads = heads == "shared"
             return layer
 
-        self.layer_budgets, self.heads = layer_budgets, heads
+        self.layer_budgets = layer_budgets
         super().__init__(model, make, storage=storage)
         attach_finish_hook(model)
         if layer_budgets != "uniform":

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from ..retention.snapkv import SnapKVRetention
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
-from .scored import Heads, LayerBudgets, ScoredCache
+from .scored import LayerBudgets, ScoredCache
 
 WINDOW = 32
 
@@ -35,10 +35,8 @@ class SnapKVCache(ScoredCache):
         window: int = WINDOW,
         kernel: int = 7,
         pooling: Literal["max", "avg"] = "max",
-        spread: Literal["centred", "forward"] = "centred",
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         check_int("budget", budget, minimum=1)
         check_int("window", window, minimum=1)
@@ -48,17 +46,12 @@ class SnapKVCache(ScoredCache):
                 f"window={window} is larger than budget={budget}: the observation window is kept whole, "
                 "so give window <= budget (raise budget or lower window)"
             )
-        check_choice("spread", spread, ("centred", "forward"))
-        if kernel % 2 == 0 and spread == "centred":
+        if kernel % 2 == 0:
             raise ValueError(f"kernel={kernel} must be odd (pooling is centred on each token): use {kernel + 1}")
         check_choice("pooling", pooling, ("max", "avg"))
-        self.budget, self.window, self.kernel, self.pooling, self.spread = budget, window, kernel, pooling, spread
+        self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         super().__init__(
-            model,
-            lambda: SnapKVRetention(budget, window, kernel, pooling, spread),
-            layer_budgets=layer_budgets,
-            storage=storage,
-            heads=heads,
+            model, lambda: SnapKVRetention(budget, window, kernel, pooling), layer_budgets=layer_budgets, storage=storage
         )
 
     @classmethod

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.tova import TOVARetention
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import Heads, LayerBudgets, ScoredCache
+from .scored import LayerBudgets, ScoredCache
 
 
 class TOVACache(ScoredCache):
@@ -25,8 +25,7 @@ class TOVACache(ScoredCache):
         budget: int = 1024,
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
-        heads: Heads = "each",
     ) -> None:
         check_int("budget", budget, minimum=1)
         self.budget = budget
-        super().__init__(model, lambda: TOVARetention(budget), layer_budgets=layer_budgets, storage=storage, heads=heads)
+        super().__init__(model, lambda: TOVARetention(budget), layer_budgets=layer_budgets, storage=storage)

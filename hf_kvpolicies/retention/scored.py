@@ -98,9 +98,6 @@ class ScoredRetention(Retention):
         """Set by the cache: maps ``(uniform budget, protected)`` to this layer's budget (pyramid)."""
         self.defers_trim = False
         """Set by the cache: an over-budget forward waits for :meth:`finish` instead of trimming."""
-        self.shared_heads = False
-        """Set by the cache (``heads="shared"``): every KV head of the layer ranks by one score per
-        token, so all heads keep the same tokens (:func:`shared_over_heads`)."""
         self.pending: Pending | None = None
         self.positions: torch.Tensor | None = None
         """``[batch, kv_heads, slots]`` absolute position held by each slot (``-1``: no token)."""
@@ -401,8 +398,7 @@ class ScoredRetention(Retention):
     def _evictable(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf."""
         ranked = scores.masked_fill(positions > self.seen - 1 - self.protected, float("inf"))
-        ranked = ranked.masked_fill(positions < 0, float("-inf"))
-        return shared_over_heads(ranked) if self.shared_heads else ranked
+        return ranked.masked_fill(positions < 0, float("-inf"))
 
     def candidate_scores(self) -> torch.Tensor:
         """The pending forward's ranking scores with protected tokens and pads at ``-inf``: what
@@ -410,16 +406,3 @@ class ScoredRetention(Retention):
         pending = self.pending
         ranked = self._evictable(pending.positions, self.selection_scores(pending.positions, pending.scores))
         return ranked.masked_fill(ranked == float("inf"), float("-inf"))
-
-
-def shared_over_heads(ranked: torch.Tensor) -> torch.Tensor:
-    """One ranking score per (row, token) for every KV head of a layer: each head's finite scores
-    normalised to sum to one (no head wins by the scale of its attention), then summed over heads.
-
-    ``ranked`` is ``[batch, kv_heads, k]`` with the same positions in every head (what shared
-    selection maintains), protected tokens at ``+inf`` and empty slots at ``-inf`` (kept as they are).
-    """
-    finite = torch.isfinite(ranked)
-    values = torch.where(finite, ranked, 0.0)
-    values = values / values.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-    return torch.where(finite, values.sum(dim=1, keepdim=True).expand_as(ranked), ranked)

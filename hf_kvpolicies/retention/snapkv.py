@@ -6,10 +6,6 @@ over the query heads of its KV head; a trim ranks tokens by these scores smoothe
 over positions (``kernel`` wide, ``max`` or ``avg``; the window itself is left out of the pooling,
 as in the reference code), so that the neighbours of a selected token (the other digits of a
 number) come with it. The window is always kept (it is the protected part of the budget).
-``spread="centred"`` (the paper's) pools over ``kernel // 2`` tokens on each side;
-``spread="forward"`` pools each token over itself and the ``kernel - 1`` tokens before it, so
-a high score carries only to the tokens that follow it: a question attends to the key of a
-fact ("the magic number for X is:") more than to its value, which comes after the key.
 
 The paper leaves decoding uncompressed; here the cache stays bounded, by the same statistic kept
 up to date: the observation window slides with the stream. Each step's query joins it and the
@@ -33,9 +29,9 @@ from .scored import Attended, ScoredRetention
 class SnapKVRetention(ScoredRetention):
     """Observation window + the best-scoring others per (row, KV head)."""
 
-    def __init__(self, budget: int, window: int, kernel: int, pooling: str, spread: str = "centred") -> None:
+    def __init__(self, budget: int, window: int, kernel: int, pooling: str) -> None:
         super().__init__(budget, protected=window)
-        self.window, self.kernel, self.pooling, self.spread = window, kernel, pooling, spread
+        self.window, self.kernel, self.pooling = window, kernel, pooling
 
     def extra_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"history": torch.zeros(batch, heads, self.window, slots, dtype=torch.float32, device=device)}
@@ -65,9 +61,5 @@ class SnapKVRetention(ScoredRetention):
         neutral = float("-inf") if self.pooling == "max" else 0.0
         flat = ordered.masked_fill(~outside, neutral).reshape(-1, 1, ordered.shape[-1])
         pool = functional.max_pool1d if self.pooling == "max" else functional.avg_pool1d
-        if self.spread == "forward":  # the kernel - 1 tokens before each one, and itself
-            flat = functional.pad(flat, (self.kernel - 1, 0), value=neutral)
-            pooled = pool(flat, self.kernel, stride=1).view_as(ordered)
-        else:
-            pooled = pool(flat, self.kernel, stride=1, padding=self.kernel // 2).view_as(ordered)
+        pooled = pool(flat, self.kernel, stride=1, padding=self.kernel // 2).view_as(ordered)
         return torch.empty_like(pooled).scatter_(-1, order, pooled)
