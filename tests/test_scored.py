@@ -340,10 +340,11 @@ def test_specs_and_budget_parameters():
         assert name in available_policies()
     from eval.benchmarks.eviction import contender
 
-    named = contender("snapkv-k21", 64)  # the eviction benchmark's SnapKV for the needles
-    assert named.label == "snapkv-k21 budget=64,window=32,kernel=21"
+    assert SnapKVCache(model, budget=64).kernel == 21  # the needles' measured width (policies/snapkv.py)
+    named = contender("snapkv-k7", 64)  # the eviction benchmark's SnapKV at the former default
+    assert named.label == "snapkv-k7 budget=64,window=32,kernel=7"
     built = named.make(model)
-    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 32, 21)
+    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 32, 7)
 
 
 @pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])
