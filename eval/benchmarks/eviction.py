@@ -14,8 +14,9 @@ the fraction of the number's digits right (position by position) for ``NEEDLE_PO
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
 ``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
 (KVzip with uniform layer budgets; SnapKV with the former default kernel 7, which pools too
-narrowly to carry the question's attention from a needle's key over the 7 digits after it). The needle table also gives the bytes each cache holds
-after its longest answer (``eval.memory.held_bytes``). KVzip's prefill includes its
+narrowly to carry the question's attention from a needle's key over the 7 digits after it).
+The needle table also gives the bytes each cache holds after its longest answer
+(``eval.memory.held_bytes``). KVzip's prefill includes its
 reconstruction pass: its ratio to FullCache is stated, with no target.
 """
 
