@@ -410,6 +410,13 @@ def test_specs_and_budget_parameters():
     assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 8}
     for name in ("snapkv", "tova", "knorm"):
         assert name in available_policies()
+    from eval.benchmarks.eviction import contender
+
+    assert SnapKVCache(model, budget=64).kernel == 21  # the needles' measured width (policies/snapkv.py)
+    named = contender("snapkv-k7", 64)  # the eviction benchmark's SnapKV at the former default
+    assert named.label == "snapkv-k7 budget=64,window=32,kernel=7"
+    built = named.make(model)
+    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 32, 7)
 
 
 @pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])

@@ -14,9 +14,11 @@ tokens with the question at the end, prefilled at once and answered greedily; ex
 the fraction of the number's digits right (position by position) for ``NEEDLE_POLICIES``.
 
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
-``NEEDLE_POLICIES`` for the needle task); a policy with one keyword changed joins ``VARIANTS``
-(KVzip with uniform layer budgets). The needle table also gives the bytes each cache holds
-after its longest answer (``eval.memory.held_bytes``). KVzip's prefill includes its
+``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
+(KVzip with uniform layer budgets; SnapKV with the former default kernel 7, which pools too
+narrowly to carry the question's attention from a needle's key over the 7 digits after it).
+The needle table also gives the bytes each cache holds after its longest answer
+(``eval.memory.held_bytes``). KVzip's prefill includes its
 reconstruction pass: its ratio to FullCache is stated, with no target.
 """
 
@@ -58,11 +60,14 @@ POLICIES: dict[str, type[PolicyCache]] = {
     "kvzip": KVzipCache,
 }
 """Every contender by name, the baseline (window) first; bounded ones take ``budget_parameters``."""
-VARIANTS: dict[str, tuple[str, dict]] = {"kvzip-uniform": ("kvzip", {"layer_budgets": "uniform"})}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "kvzip-uniform": ("kvzip", {"layer_budgets": "uniform"}),
+    "snapkv-k7": ("snapkv", {"kernel": 7}),
+}
 """Contenders that are a policy with keywords changed: name -> (policy, keywords)."""
 SCORED = ("h2o", "snapkv", "tova", "knorm")
 """The scored policies whose prefill has a target (<= SPEED_RATIO x FullCache's); KVzip's is stated."""
-NEEDLE_POLICIES = ["full", "window", "h2o", "snapkv", "kvzip", "kvzip-uniform"]
+NEEDLE_POLICIES = ["full", "window", "h2o", "snapkv", "snapkv-k7", "kvzip", "kvzip-uniform"]
 NEEDLE_LENGTHS = (1024, 2048)
 SPEED_RATIO = 1.3  # decode vs the sliding window at the same budget; prefill vs FullCache
 FLAT_RATIO = 1.05  # decode at the longest vs the shortest context

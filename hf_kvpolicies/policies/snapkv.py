@@ -12,6 +12,11 @@ from ..validation import check_choice, check_int
 from .scored import LayerBudgets, ScoredCache
 
 WINDOW = 32
+KERNEL = 21
+"""Pooling width: measured on the eviction benchmark's needles (budget 256, 40 prompts), a
+question attends to a fact's key ("the magic number for X is:") more than to the value after
+it, and pooling must reach from the key over the value: kernel 7 keeps 3/40 numbers whole, 15
+19/40, 21 36/40, 31 35/40 (streaming perplexity over 2,000 tokens: 13.73 at 7, 13.49 at 21)."""
 
 
 class SnapKVCache(ScoredCache):
@@ -33,7 +38,7 @@ class SnapKVCache(ScoredCache):
         model: PreTrainedModel,
         budget: int = 1024,
         window: int = WINDOW,
-        kernel: int = 7,
+        kernel: int = KERNEL,
         pooling: Literal["max", "avg"] = "max",
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
