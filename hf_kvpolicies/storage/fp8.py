@@ -234,18 +234,22 @@ class FP8Storage(Storage):
             start, end = slots, slots + q
         else:
             slots = slots.to(self.device)
-            if slots.dim() == 1:
-                self.payload.index_copy_(2, slots, payload)
-                self.scales.index_copy_(2, slots, codes)
-            else:
-                self.payload.scatter_(2, expand_slots(slots, payload), payload)
-                self.scales.scatter_(2, expand_slots(slots, codes), codes)
+            self._store(slots, payload, codes)
             # the slots' values stay on the device: assume the write may touch any slot
             start, end = 0, self.capacity
         unwritten = start >= self._written_end  # an append: no residual entry can shadow these slots
         self._written_end = max(self._written_end, end)
         if self.residual:
             self._remember(slots, fresh, unwritten, push=new_tokens)
+
+    def _store(self, slots: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
+        """Quantised tokens into device ``slots`` (``[q]`` shared, or ``[batch, heads, q]`` per row and head)."""
+        if slots.dim() == 1:
+            self.payload.index_copy_(2, slots, payload)
+            self.scales.index_copy_(2, slots, codes)
+        else:
+            self.payload.scatter_(2, expand_slots(slots, payload), payload)
+            self.scales.scatter_(2, expand_slots(slots, codes), codes)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if length == 0:
@@ -337,12 +341,7 @@ class FP8Storage(Storage):
     def _write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, push: bool) -> None:
         fresh = torch.cat([keys, values], dim=-1)
         payload, codes = self._quantise(fresh)
-        if slots.dim() == 1:
-            self.payload.index_copy_(2, slots, payload)
-            self.scales.index_copy_(2, slots, codes)
-        else:
-            self.payload.scatter_(2, expand_slots(slots, payload), payload)
-            self.scales.scatter_(2, expand_slots(slots, codes), codes)
+        self._store(slots, payload, codes)
         if not self.residual:
             return
         q = fresh.shape[-2]
