@@ -41,7 +41,7 @@ def held_bytes(cache: Cache) -> int | None:
     keeps; ``None`` for caches that are not ours (their footprint is all we can read)."""
     if not isinstance(cache, PolicyCache):
         return None
-    return sum(layer.storage.bytes_held(layer.retention.stored) for layer in cache.layers)
+    return sum(layer.storage.bytes_held(layer.retention.held_slots) for layer in cache.layers)
 
 
 def _tensors(values) -> list[torch.Tensor]:

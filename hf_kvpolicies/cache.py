@@ -224,6 +224,9 @@ class PolicyCache(Cache):
         self.sizes_differ_by_layer = False
         """True where layers of one attention type may hold different numbers of tokens (pyramid or
         adaptive layer budgets): each then needs its own mask (``masks``, with its attention hook)."""
+        self.per_head_masks = False
+        """True where layers hold their heads' tokens pooled (head-wise budgets): once tokens are held,
+        every forward needs per-head masks (``masks``), decode steps of unpadded batches included."""
         self.layer_masks: list[torch.Tensor] | None = None
         """Per layer, this forward's mask where layers return different numbers of keys (``masks``)."""
         from .masks import attach_mask_hook  # the hook module imports this one

@@ -74,7 +74,10 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     if query_length > 1 and cache.get_seq_length() == 0:
         padding = prompt_padding(padding)
     dtype = embeds.dtype if embeds is not None else next(module.parameters()).dtype
-    if cache.sizes_differ_by_layer and len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1:
+    per_head = cache.per_head_masks and cache.get_seq_length() > 0
+    if cache.sizes_differ_by_layer and (
+        per_head or len({layer.retention.returned_length(query_length) for layer in cache.layers}) > 1
+    ):
         _layer_masks(cache, padding, inputs, query_length, module.config, dtype)
     if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
         return None
@@ -113,19 +116,20 @@ def _layer_masks(cache, padding, inputs: torch.Tensor, query_length: int, config
     """Layers that return different numbers of keys (pyramid or adaptive layer budgets) each get
     their own exact mask, which :func:`_layer_mask_hook` hands to that layer's attention:
     transformers builds one mask from the first layer's sizes. An sdpa decode step of an unpadded
-    batch needs none (every kept key is visible), so the hot path builds nothing."""
+    batch needs none (every kept key is visible), so the hot path builds nothing, except for pooled
+    heads, whose every head must see only the slots it owns."""
     implementation = config._attn_implementation
     padded = isinstance(padding, torch.Tensor) and padding.dim() == 2 and (
         cache.padded if query_length == 1 and cache.padded is not None else not bool(padding.all())
     )
-    if query_length == 1 and implementation == "sdpa" and not padded:
+    if query_length == 1 and implementation == "sdpa" and not padded and not cache.per_head_masks:
         return
     if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
         padding = torch.ones(inputs.shape[0], cache.get_seq_length() + query_length, dtype=torch.bool, device=inputs.device)
     heads = config.num_attention_heads
     groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
     cache.layer_masks = [
-        to_attention_format(allowed_keys(layer.retention, padding, query_length, groups), implementation, dtype)
+        to_attention_format(allowed_keys(layer.retention, padding, query_length, groups, padded), implementation, dtype)
         for layer in cache.layers
     ]
 
@@ -180,16 +184,19 @@ def masks_by_layer_type(cache, allowed: Callable[[Any], torch.Tensor], implement
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
-def allowed_keys(retention, padding: torch.Tensor, query_length: int, groups: int = 1) -> torch.Tensor:
+def allowed_keys(retention, padding: torch.Tensor, query_length: int, groups: int = 1, padded: bool = True) -> torch.Tensor:
     """Boolean ``[batch, 1, q, kv]``: causal, the retention's visibility, and no pads.
 
     A layout whose positions differ per KV head (scored eviction: ``key_positions`` is
     ``[batch, kv_heads, kv]``) gets ``[batch, query_heads, q, kv]``, each KV head's mask repeated
-    for its ``groups`` query heads (sdpa and eager both take a per-head mask).
+    for its ``groups`` query heads (sdpa and eager both take a per-head mask). ``padded=False``
+    says the batch has no pads (a decode step then shows each head every slot holding a token).
     """
     device = padding.device
     key_pos = retention.key_positions(query_length)
     if key_pos.dim() == 3:
+        if query_length == 1 and not padded:  # every kept token precedes the query and is real
+            return (key_pos.to(device) >= 0)[:, :, None].repeat_interleave(groups, dim=1)
         return _per_head_allowed(retention, padding, key_pos.to(device), query_length, groups)
     query_pos = torch.arange(retention.seen, retention.seen + query_length)
     causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)

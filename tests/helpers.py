@@ -76,3 +76,12 @@ def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.cat([torch.nn.functional.pad(row, (length - row.shape[1], 0)) for row in rows])
     mask = torch.cat([torch.nn.functional.pad(torch.ones_like(row), (length - row.shape[1], 0)) for row in rows])
     return ids, mask
+
+
+def real_positions(cache: Cache, row: int, shift: int = 0) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions a row keeps, shifted by ``shift`` (pads and the ``-1``
+    that pad the rows of pooled heads left out)."""
+    return [
+        [[p - shift for p in head.tolist() if p >= 0] for head in layer.retention.kept_positions()[row]]
+        for layer in cache.layers
+    ]

@@ -125,6 +125,11 @@ def test_every_policy_iterates_over_what_it_keeps(name):
     if "tokenizer" in inspect.signature(constructor).parameters:
         kwargs["tokenizer"] = char_tokenizer()  # KVzip writes its repeat prompt with it
     cache = constructor(model, **kwargs)
+    if getattr(cache, "head_budgets", "uniform") == "adaptive":  # pooled heads keep ragged rows: no tensor holds them
+        prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
+        with pytest.raises(ValueError, match="kept_positions"):
+            list(cache)
+        cache = constructor(model, **kwargs, head_budgets="uniform")
     prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
     layers = list(cache)
     assert len(layers) == 2

@@ -42,7 +42,7 @@ POLICIES = {
     "tova": lambda model, storage: TOVACache(model, budget=8, storage=storage),
     "knorm": lambda model, storage: KNormCache(model, budget=8, recent=2, storage=storage),
     "kvzip": lambda model, storage: KVzipCache(
-        model, budget=8, recent=2, layer_budgets="uniform", tokenizer=char_tokenizer(), storage=storage
+        model, budget=8, recent=2, layer_budgets="uniform", head_budgets="uniform", tokenizer=char_tokenizer(), storage=storage
     ),
 }
 
@@ -145,6 +145,7 @@ def test_is_compileable_exactly_where_decode_steps_are_static():
     assert not FullCache(model).is_compileable  # grows
     assert not FP8Cache(model).is_compileable
     assert not H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid").is_compileable  # sizes differ per layer
+    assert not H2OCache(model, heavy=4, recent=4, head_budgets="adaptive").is_compileable  # per-head masks
     assert not SlidingWindowCache(tiny_gemma3(), window=4).is_compileable  # the model's own sliding layers
 
 

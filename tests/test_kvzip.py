@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from helpers import greedy, prefill_then_decode
+from helpers import greedy, prefill_then_decode, real_positions
 from test_h2o import peaked
 from test_reconstruction import reference_scores
 from test_scored import SCHEDULES, naive_eviction, run_cache
@@ -78,7 +78,9 @@ def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
     expected_logits, expected_kept = reference(model_name, schedule, chunk)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER)
+    cache = KVzipCache(
+        model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", head_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER
+    )
     logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:
@@ -92,7 +94,7 @@ def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
 def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_thread):
     model = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)
     ids = random_ids(1, 40, seed=5)
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="adaptive", tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="adaptive", head_budgets="uniform", tokenizer=TOKENIZER)
     with torch.no_grad():
         model(ids, cache=cache)
     budgets = cache.layer_budget_sizes()
@@ -112,6 +114,8 @@ def test_busiest_head_budgets_by_hand():
     spread_layer = torch.tensor([[[0.5, 0.4, 0.05, 0.05], [0.45, 0.35, 0.05, 0.05]]])
     # the best 4 x 2 scores: layer 0's first head wins 4, layer 1's heads 2 each -> shares 4 : 2 of 4 spare
     assert busiest_head_budgets([one_head_layer, spread_layer], reserve=[1, 1], total=6) == [4, 2]
+    # pooled heads keep what they won: layer 0's 4 + 0 and layer 1's 2 + 2 are 2 per head each, plus the reserve
+    assert busiest_head_budgets([one_head_layer, spread_layer], reserve=[1, 1], total=6, pooled=True) == [3, 3]
     assert adaptive_budgets([one_head_layer, spread_layer], reserve=[1, 1], total=6) == [3, 3]  # normalised sums
     protected = one_head_layer.clone()
     protected[..., -1] = float("-inf")  # protected tokens and pads never compete, even with room to spare
@@ -132,7 +136,7 @@ def test_budget_covering_everything_is_full_cache(make_model, layer_budgets, one
 
 def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
     model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16, fp32
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", head_budgets="uniform", tokenizer=TOKENIZER)
     with torch.no_grad():
         model(random_ids(2, 120), cache=cache)
     slots, batch, heads = BUDGET + 1, 2, 2
@@ -144,7 +148,8 @@ def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
     assert cache.get_memory_footprint() == 2 * per_layer and cache.get_seq_length() == 160
 
 
-def test_left_padded_rows_keep_what_they_keep_alone(one_thread):
+@pytest.mark.parametrize("head_budgets", ["uniform", "adaptive"])
+def test_left_padded_rows_keep_what_they_keep_alone(head_budgets, one_thread):
     model = peaked(tiny_llama(), factor=8.0)
     lengths = (30, 21, 14)
     rows = [random_ids(1, n, seed=20 + i) for i, n in enumerate(lengths)]
@@ -152,15 +157,16 @@ def test_left_padded_rows_keep_what_they_keep_alone(one_thread):
     mask = torch.zeros(3, 30, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, 30 - row.shape[1] :], mask[i, 30 - row.shape[1] :] = row[0], 1
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, layer_budgets="uniform")
-    together = greedy(model, ids, cache, 20, attention_mask=mask)
+    def make() -> KVzipCache:
+        return KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, layer_budgets="uniform", head_budgets=head_budgets)
+
+    cache = make()
+    together = greedy(model, ids, cache, 20, attention_mask=mask, min_new_tokens=20)
     for i, row in enumerate(rows):
-        alone_cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, layer_budgets="uniform")
-        alone = greedy(model, row, alone_cache, 20)
+        alone_cache = make()
+        alone = greedy(model, row, alone_cache, 20, min_new_tokens=20)
         assert torch.equal(together[i, 30:], alone[0, row.shape[1] :]), f"row {i}"
-        pad = 30 - row.shape[1]
-        for layer, alone_layer in zip(cache.layers, alone_cache.layers):
-            assert torch.equal(layer.retention.kept_positions()[i] - pad, alone_layer.retention.kept_positions()[0])
+        assert real_positions(cache, i, 30 - row.shape[1]) == real_positions(alone_cache, 0)
 
 
 def test_beam_search_and_fp8_storage(one_thread):
@@ -168,14 +174,17 @@ def test_beam_search_and_fp8_storage(one_thread):
     ids = random_ids(1, 30, seed=3)
     expected = greedy(model, ids, FullCache(model), 12, num_beams=2)
     assert torch.equal(greedy(model, ids, KVzipCache(model, budget=64, tokenizer=TOKENIZER), 12, num_beams=2), expected)
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, head_budgets="uniform")
     assert greedy(model, ids, cache, 12, num_beams=2).shape == (1, 42)
     assert cache.layers[0].retention.kept_positions().shape == (2, 2, cache.layer_budget_sizes()[0])
+    pooled = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
+    assert greedy(model, ids, pooled, 12, num_beams=2).shape == (1, 42)
+    assert pooled.layers[0].retention.positions.shape[0] == 2
     native = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER)
     fp8 = KVzipCache(model, budget=BUDGET, recent=RECENT, tokenizer=TOKENIZER, storage="fp8:residual=0")
     with torch.no_grad():
         model(ids, cache=native), model(ids, cache=fp8)
-    for a, b in zip(native.layers, fp8.layers):  # the prompt is scored on the model's own keys
+    for a, b in zip(native.layers, fp8.layers):  # the prompt is scored on the model's own keys (heads pooled)
         assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())
     assert fp8.get_memory_footprint() < native.get_memory_footprint()
 

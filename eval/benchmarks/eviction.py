@@ -15,7 +15,8 @@ the fraction of the number's digits right (position by position) for ``NEEDLE_PO
 
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
 ``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
-(KVzip with uniform layer budgets; SnapKV with the former default kernel 7, which pools too
+(KVzip with uniform layer budgets, its KV heads sharing each layer's; KVzip with one budget per
+layer and KV head, ``kvzip-per-head``; SnapKV with the former default kernel 7, which pools too
 narrowly to carry the question's attention from a needle's key over the 7 digits after it).
 The needle table also gives the bytes each cache holds after its longest answer
 (``eval.memory.held_bytes``). KVzip's prefill includes its
@@ -62,6 +63,7 @@ POLICIES: dict[str, type[PolicyCache]] = {
 """Every contender by name, the baseline (window) first; bounded ones take ``budget_parameters``."""
 VARIANTS: dict[str, tuple[str, dict]] = {
     "kvzip-uniform": ("kvzip", {"layer_budgets": "uniform"}),
+    "kvzip-per-head": ("kvzip", {"layer_budgets": "uniform", "head_budgets": "uniform"}),
     "snapkv-k7": ("snapkv", {"kernel": 7}),
 }
 """Contenders that are a policy with keywords changed: name -> (policy, keywords)."""

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.h2o import H2ORetention
 from ..storage import StorageFactory
 from ..validation import check_tokens_or_fraction
-from .scored import LayerBudgets, ScoredCache
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
 
 
 class H2OCache(ScoredCache):
@@ -36,6 +36,7 @@ class H2OCache(ScoredCache):
         heavy: int | float = 512,
         recent: int | float = 512,
         layer_budgets: LayerBudgets = "uniform",
+        head_budgets: HeadBudgets = "uniform",
         storage: str | StorageFactory = "native",
     ) -> None:
         check_tokens_or_fraction("heavy", heavy)
@@ -43,7 +44,7 @@ class H2OCache(ScoredCache):
         if isinstance(heavy, int) and isinstance(recent, int) and heavy + recent < 1:
             raise ValueError(f"heavy + recent must keep at least 1 token, got heavy={heavy}, recent={recent}")
         self.heavy, self.recent = heavy, recent
-        super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage)
+        super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.knorm import KNormRetention
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import LayerBudgets, ScoredCache
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
 
 RECENT = 32
 
@@ -30,6 +30,7 @@ class KNormCache(ScoredCache):
         budget: int = 1024,
         recent: int = RECENT,
         layer_budgets: LayerBudgets = "uniform",
+        head_budgets: HeadBudgets = "uniform",
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
@@ -37,7 +38,7 @@ class KNormCache(ScoredCache):
         if recent > budget:
             raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
         self.budget, self.recent = budget, recent
-        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
+        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -14,7 +14,7 @@ from ..retention.kvzip import KVzipRetention
 from ..retention.layer_budgets import busiest_head_budgets
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import LayerBudgets, ScoredCache
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
 
 IDS_HOOK_ATTRIBUTE = "_hf_kvpolicies_kvzip_ids_hook"
 
@@ -25,14 +25,18 @@ class KVzipCache(ScoredCache):
     When the first forward (the prompt) has ended, the model is made to repeat it (the paper's
     repeat instruction, the tokenizer's answer opening, then the prompt, ``chunk`` tokens per
     forward) over the prompt's keys, and each prompt token is scored by the largest attention it
-    receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps, per
-    row and KV head, its ``recent`` newest tokens plus the best-scoring others, ``budget`` in all:
-    the rest is freed, and the storage holds ``budget + 1`` slots per layer from then on.
+    receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps
+    every KV head's ``recent`` newest tokens plus the best-scoring others: ``heads x budget`` in
+    all, shared among its KV heads by their scores (``head_budgets="adaptive"``, the paper's
+    head-level ranking: one head may keep 500 tokens, another 30), held in one pooled storage
+    row of ``heads x (budget + 1)`` slots (:mod:`~hf_kvpolicies.retention.pooled_heads`); the
+    rest is freed. ``head_budgets="uniform"`` keeps ``budget`` per head instead (and compiles).
     ``layer_budgets="adaptive"`` (the paper's choice) lets the tokens of every layer and head
-    compete for the total, raw, and sizes each layer for its most demanding head;
-    ``"uniform"`` gives every layer ``budget``, ``"pyramid"`` more to lower layers.
+    compete for the total, raw, each layer sized for what its heads won;
+    ``"uniform"`` gives every layer ``budget`` per head, ``"pyramid"`` more to lower layers.
 
-    Decoding then evicts one token per row and head per step: a kept token's score can only grow
+    Decoding then evicts one token per row and head per step (with pooled heads, the ``heads``
+    lowest-scoring tokens of the layer, whichever heads hold them): a kept token's score can only grow
     with the attention later queries give it (the maximum, as for the reconstruction), and a new
     token is never evicted while among the ``recent`` newest. The prompt costs a second pass
     (about 2-3x the prefill's work, once per prompt); decode steps cost what H2O's do.
@@ -45,7 +49,7 @@ class KVzipCache(ScoredCache):
 
     adaptive_rule = staticmethod(busiest_head_budgets)
     """KVzip ranks raw reconstruction scores of every layer and head together; a layer is sized
-    for the head that wins most (its heads share one slot count)."""
+    for what its heads won together (pooled heads), or for the head that wins most (uniform heads)."""
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
@@ -58,6 +62,7 @@ class KVzipCache(ScoredCache):
         budget: int = 1024,
         recent: int = 8,
         layer_budgets: LayerBudgets = "adaptive",
+        head_budgets: HeadBudgets = "adaptive",
         chunk: int = DEFAULT_CHUNK,
         tokenizer: PreTrainedTokenizerBase | None = None,
         storage: str | StorageFactory = "native",
@@ -77,7 +82,7 @@ class KVzipCache(ScoredCache):
         self.context_ids: torch.Tensor | None = None
         """The first forward's ``input_ids`` (seen by a decoder pre-hook), until its reconstruction."""
         self.reconstructed = False
-        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage)
+        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
         for retention in self.scored_layers():
             retention.defers_trim = True  # the first forward waits for its reconstruction scores
         attach_ids_hook(model)

@@ -3,7 +3,10 @@
 It builds one :class:`~hf_kvpolicies.retention.scored.ScoredRetention` per governed layer, installs
 the hooks the statistic needs (the query hooks of :mod:`hf_kvpolicies.attention_scores` when it
 reads queries; the finishing hook always), and shares the budget among layers
-(``layer_budgets``: ``"uniform"``, ``"pyramid"`` or ``"adaptive"``).
+(``layer_budgets``: ``"uniform"``, ``"pyramid"`` or ``"adaptive"``) and, within a layer, among
+its KV heads (``head_budgets``: ``"uniform"``, every head ``budget`` tokens, or ``"adaptive"``,
+the heads' tokens competing for ``heads x budget``, held in pooled storage:
+:mod:`~hf_kvpolicies.retention.pooled_heads`).
 
 **The finishing hook.** A forward hook on the decoder, installed once per model and inert for
 every other cache, calls :meth:`ScoredCache.finish_prefill` after each forward. Layers whose
@@ -24,17 +27,18 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..attention_scores import attach_query_hook, check_attention_implementation
+from ..attention_scores import MASK_FORMATS, attach_query_hook, check_attention_implementation
 from ..cache import PolicyCache
 from ..masks import CACHE_KWARGS, attach_layer_mask_hook, decoder_of
 from ..model_layout import layer_layouts
 from ..retention.layer_budgets import adaptive_budgets, pyramid_budgets
-from ..retention.scored import Pending, ScoredRetention
+from ..retention.scored import HEAD_BUDGETS, Pending, ScoredRetention
 from ..storage import StorageFactory
 from ..validation import check_choice
 
 LayerBudgets = Literal["uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS = ("uniform", "pyramid", "adaptive")
+HeadBudgets = Literal["uniform", "adaptive"]
 HOOK_ATTRIBUTE = "_hf_kvpolicies_finish_hook"
 
 
@@ -53,11 +57,23 @@ class ScoredCache(PolicyCache):
         retention: Callable[[], ScoredRetention],
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
+        head_budgets: HeadBudgets = "uniform",
     ) -> None:
         try:
             check_choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
         except ValueError as error:
             raise ValueError(f"{error}: write layer_budgets='uniform', 'pyramid' or 'adaptive'") from None
+        try:
+            check_choice("head_budgets", head_budgets, HEAD_BUDGETS)
+        except ValueError as error:
+            raise ValueError(f"{error}: write head_budgets='uniform' or 'adaptive'") from None
+        implementation = model.config._attn_implementation
+        if head_budgets == "adaptive" and implementation not in MASK_FORMATS:
+            raise ValueError(
+                f"{type(self).__name__} with head_budgets='adaptive' shows each KV head its own tokens through a "
+                f"per-head attention mask, which {implementation!r} attention does not take: call "
+                "model.set_attn_implementation('sdpa') before building the cache, or use head_budgets='uniform'"
+            )
         if retention().needs_queries:
             check_attention_implementation(type(self).__name__, model.config._attn_implementation)
             attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
@@ -69,14 +85,16 @@ class ScoredCache(PolicyCache):
                 index, count = governed.index(layout.index), len(governed)
                 layer.layer_budget = lambda budget, protected: pyramid_budgets(budget, protected, count)[index]
             layer.defers_trim = layer_budgets == "adaptive" or self.defer_every_prefill
+            layer.pooled = head_budgets == "adaptive"
             return layer
 
-        self.layer_budgets = layer_budgets
+        self.layer_budgets, self.head_budgets = layer_budgets, head_budgets
         super().__init__(model, make, storage=storage)
         attach_finish_hook(model)
-        if layer_budgets != "uniform":
+        self.per_head_masks = head_budgets == "adaptive"
+        if layer_budgets != "uniform" or self.per_head_masks:
             self.sizes_differ_by_layer = True
-            attach_layer_mask_hook(model)  # layers then return different numbers of keys
+            attach_layer_mask_hook(model)  # layers then return different numbers of keys, or per-head ones
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
@@ -97,10 +115,12 @@ class ScoredCache(PolicyCache):
         retentions = [layer.retention for layer in waiting]
         self.rescore([retention.pending for retention in retentions])
         budgets = [retention.budget for retention in retentions]
-        if self.layer_budgets == "adaptive" and len(waiting) == len(self.scored_layers()):
+        over = any(retention.pending.positions.shape[-1] > retention.budget for retention in retentions)
+        if self.layer_budgets == "adaptive" and over and len(waiting) == len(self.scored_layers()):
+            # (a forward that fits every layer, pending only because pooled heads always trim, keeps the budgets)
             reserve = [max(1, retention.protected) for retention in retentions]
             candidates = [retention.candidate_scores() for retention in retentions]
-            budgets = self.adaptive_rule(candidates, reserve, sum(budgets))
+            budgets = self.adaptive_rule(candidates, reserve, sum(budgets), pooled=self.head_budgets == "adaptive")
         for layer, budget in zip(waiting, budgets):
             layer.retention.defers_trim = self.defer_every_prefill
             layer.retention.finish(layer.storage, budget)
@@ -108,8 +128,9 @@ class ScoredCache(PolicyCache):
             layer.enter_static_if_ready()
 
     def static_layout(self) -> bool:
-        """Pyramid and adaptive budgets give layers different sizes, which one static mask cannot serve."""
-        return self.layer_budgets == "uniform" and super().static_layout()
+        """Pyramid and adaptive budgets give layers different sizes, which one static mask cannot serve;
+        pooled heads need a per-head mask at every step."""
+        return self.layer_budgets == "uniform" and self.head_budgets == "uniform" and super().static_layout()
 
     def layer_budget_sizes(self) -> list[int | None]:
         """Each scored layer's budget (``None`` until the first forward fixes it)."""

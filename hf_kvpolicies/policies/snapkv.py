@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from ..retention.snapkv import SnapKVRetention
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
-from .scored import LayerBudgets, ScoredCache
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
 
 WINDOW = 32
 KERNEL = 21
@@ -41,6 +41,7 @@ class SnapKVCache(ScoredCache):
         kernel: int = KERNEL,
         pooling: Literal["max", "avg"] = "max",
         layer_budgets: LayerBudgets = "uniform",
+        head_budgets: HeadBudgets = "uniform",
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
@@ -56,7 +57,11 @@ class SnapKVCache(ScoredCache):
         check_choice("pooling", pooling, ("max", "avg"))
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         super().__init__(
-            model, lambda: SnapKVRetention(budget, window, kernel, pooling), layer_budgets=layer_budgets, storage=storage
+            model,
+            lambda: SnapKVRetention(budget, window, kernel, pooling),
+            layer_budgets=layer_budgets,
+            storage=storage,
+            head_budgets=head_budgets,
         )
 
     @classmethod

@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from ..retention.tova import TOVARetention
 from ..storage import StorageFactory
 from ..validation import check_int
-from .scored import LayerBudgets, ScoredCache
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
 
 
 class TOVACache(ScoredCache):
@@ -24,8 +24,9 @@ class TOVACache(ScoredCache):
         model: PreTrainedModel,
         budget: int = 1024,
         layer_budgets: LayerBudgets = "uniform",
+        head_budgets: HeadBudgets = "uniform",
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
         self.budget = budget
-        super().__init__(model, lambda: TOVARetention(budget), layer_budgets=layer_budgets, storage=storage)
+        super().__init__(model, lambda: TOVARetention(budget), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)

@@ -102,6 +102,12 @@ class Retention(ABC):
         """Tokens currently kept (what a memory or quality comparison should quote)."""
         return self.live if self.max_length < 0 else min(self.live, self.max_length)
 
+    @property
+    def held_slots(self) -> int:
+        """Storage slots that hold kept tokens (what their bytes are counted from): ``stored``,
+        unless the storage is laid out otherwise (pooled heads: ``stored`` times the heads)."""
+        return self.stored
+
     def kept_slots(self) -> torch.Tensor:
         """Slots holding kept tokens, in ascending position order."""
         positions = self.slot_pos[: self.live]

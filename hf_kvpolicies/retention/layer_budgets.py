@@ -26,7 +26,7 @@ def pyramid_budgets(budget: int, protected: int, layers: int, beta: int = PYRAMI
     return [max(1, protected + count) for count in counts]
 
 
-def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int) -> list[int]:
+def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int, pooled: bool = False) -> list[int]:
     """Each layer's budget when the tokens of all layers compete (AdaKV, KVzip).
 
     ``candidates[l]`` is ``[batch, kv_heads, k_l]`` ranking scores of layer ``l``'s evictable
@@ -34,7 +34,8 @@ def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: 
     to one per row (so that no layer wins by the scale of its statistic), the best
     ``total - sum(reserve)`` tokens per (row, head) of all layers are chosen together, and each
     layer gets its ``reserve`` plus the tokens it won (rows and heads of one layer share its
-    budget, the storage being one tensor per layer).
+    budget, the storage being one tensor per layer). A layer's budget is what its heads won on
+    average, which is also what pooled heads (``pooled``) share.
     """
     normalised = []
     for scores in candidates:
@@ -53,7 +54,7 @@ def adaptive_budgets(candidates: list[torch.Tensor], reserve: list[int], total: 
     return [min(limit, r + c) for limit, r, c in zip(limits, reserve, counts)]
 
 
-def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int) -> list[int]:
+def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], total: int, pooled: bool = False) -> list[int]:
     """Each layer's budget when raw scores compete at the level of heads (KVzip's ranking).
 
     KVzip ranks the scores of every (layer, KV head, token) together, unnormalised (they are
@@ -62,6 +63,8 @@ def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], tot
     its most demanding head: the best ``total - sum(reserve)`` tokens per (row, head) of all
     layers are chosen together, and each layer's share of them is proportional to the most any
     of its (row, KV head) won; each layer also keeps its ``reserve``. Same total.
+    With ``pooled`` heads (one pooled storage row per layer) each head keeps exactly what it won:
+    a layer's share is then what its heads won together, for its busiest row, over the heads.
     ``candidates`` as in :func:`adaptive_budgets`.
     """
     batch, heads = candidates[0].shape[:2]
@@ -75,8 +78,9 @@ def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], tot
     row_head = (chosen - bounds[layer]) // sizes[layer]
     won = torch.zeros(len(candidates), batch * heads, dtype=torch.long, device=chosen.device)
     won.index_put_((layer, row_head), torch.ones_like(chosen), accumulate=True)
-    busiest = [int(n) for n in won.amax(dim=1)]  # plain ints: decided once per prompt, on the host
-    counts = _apportion([float(n) for n in busiest], spare)
+    demand = won.view(len(candidates), batch, heads).sum(dim=2).amax(dim=1) / heads if pooled else won.amax(dim=1)
+    busiest = [float(n) for n in demand]  # plain numbers: decided once per prompt, on the host
+    counts = _apportion(busiest, spare)
     return [min(int(size), r + c) for size, r, c in zip(sizes, reserve, counts)]
 
 

@@ -26,6 +26,15 @@ a reconstruction pass run over ``pending.keys``/``pending.values``), then sets t
 then trims every layer. Each layer's storage is allocated at its first trim (or first append) with
 ``budget + 1`` slots, so it is sized to that layer's own budget.
 
+**Head-wise budgets** (``head_budgets="adaptive"``, set by the cache): the layer's KV heads
+share ``heads x budget`` kept tokens, held in one pooled storage row whose slots each belong to
+one head (:mod:`~hf_kvpolicies.retention.pooled_heads`). The state keeps its per-head shape
+``[batch, kv_heads, slots]`` (a slot's position only in its owner's row), every forward's
+attention gets a per-head mask, and a decode step writes each head's token into a free slot of
+its own (the append while the slots fill), then frees the ``heads`` slots ranked lowest in the
+whole layer: a head whose tokens rank low shrinks, one whose tokens rank high grows. A
+multi-token forward always attends in full and trims (the first one too, prompt fitting or not).
+
 Padded batches: the exact-mask hook shows each forward's 2-D padding (:meth:`observe_padding`);
 pad tokens get position ``-1`` (an empty slot: masked by position, scored ``-inf``, evicted first)
 and their queries score nothing, so a left-padded row keeps what it keeps alone.
@@ -42,6 +51,9 @@ import torch
 from ..storage import Storage
 from ..storage.base import SlotIndex, expand_slots
 from .base import Retention
+from .pooled_heads import owned_by_head, pooled_best, pooled_victims, take_flat
+
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 
 @dataclass
@@ -102,6 +114,8 @@ class ScoredRetention(Retention):
         """Set by the cache: maps ``(uniform budget, protected)`` to this layer's budget (pyramid)."""
         self.defers_trim = False
         """Set by the cache: an over-budget forward waits for :meth:`finish` instead of trimming."""
+        self.pooled = False
+        """Set by the cache (``head_budgets="adaptive"``): the KV heads share the layer's budget."""
         self.pending: Pending | None = None
         self.positions: torch.Tensor | None = None
         """``[batch, kv_heads, slots]`` absolute position held by each slot (``-1``: no token)."""
@@ -153,6 +167,8 @@ class ScoredRetention(Retention):
     def plan(self, q: int) -> SlotIndex | None:
         if self.budget is None:
             return None
+        if self.pooled:  # one decoded token per head into free slots; anything else attends, then trims
+            return self.free if q == 1 and self.positions is not None else None
         if self.has_free:
             return self.free if q == 1 else None
         return self.live if self.live + q <= self.budget + 1 else None
@@ -172,10 +188,20 @@ class ScoredRetention(Retention):
 
     @property
     def stored(self) -> int:
+        if self.pooled:  # tokens per head, on average: the pooled slots in use over the heads
+            return 0 if self.positions is None else self._kept_count() // self.positions.shape[1]
         return self.live if self.budget is None else min(self.live, self.budget)
+
+    @property
+    def held_slots(self) -> int:
+        if self.pooled:
+            return 0 if self.positions is None else self._kept_count()
+        return self.stored
 
     def returned_length(self, q: int) -> int:
         slots = self.plan(q)
+        if self.pooled and self.positions is not None:  # every slot in use, freed ones included
+            return self.live + q if slots is None else self._pooled_live_after()
         if slots is None:
             return self._kept_count() + q
         return self.live if self.has_free else max(self.live, slots + q)
@@ -190,6 +216,8 @@ class ScoredRetention(Retention):
         if slots is None:
             kept = self._kept_state()[2]
             return torch.cat([kept, new.expand(*kept.shape[:2], q)], dim=-1)
+        if self.pooled:
+            return self.positions.scatter(-1, self.free, self.seen)[..., : self._pooled_live_after()]
         if self.has_free:
             return self.positions.scatter(-1, self.free, self.seen)
         held = self.positions[..., : self.live]
@@ -207,11 +235,18 @@ class ScoredRetention(Retention):
 
     def kept_slots(self) -> torch.Tensor:
         """``[batch, kv_heads, kept]`` slots of the kept tokens, in slot order (for iteration)."""
+        if self.pooled:
+            raise ValueError(
+                f"{type(self).__name__} with head_budgets='adaptive' keeps a different number of tokens in each KV "
+                "head, which no [batch, heads, tokens, dim] tensor holds: read the positions each head keeps with "
+                "kept_positions(), or build the cache with head_budgets='uniform' to iterate over its keys and values"
+            )
         index = self._kept_index()
         return torch.arange(self.live) if index is None else index
 
     def kept_positions(self) -> torch.Tensor:
-        """``[batch, kv_heads, kept]`` positions currently kept, ascending (pads as ``-1``, first)."""
+        """``[batch, kv_heads, kept]`` positions currently kept, ascending (pads as ``-1``, first;
+        with pooled heads, a head's row is padded with ``-1`` to the slots of the layer)."""
         return self._kept_state()[2].sort(dim=-1).values
 
     @property
@@ -254,6 +289,8 @@ class ScoredRetention(Retention):
         slots = self.plan(q)
         if slots is None:
             return self._attend_then_score(storage, keys, values, new_positions, query, scaling)
+        if self.pooled:
+            return self._pooled_step(storage, keys, values, new_positions, query, scaling)
         if not storage.is_allocated:
             self._allocate(storage, keys, self.budget + 1)
         storage.write(slots, keys, values)
@@ -280,7 +317,7 @@ class ScoredRetention(Retention):
 
     def static_ready(self, storage: Storage) -> bool:
         return (
-            self.budget is not None and self.pending is None and not self.padded
+            self.budget is not None and self.pending is None and not self.padded and not self.pooled
             and storage.is_allocated and storage.capacity == self.budget + 1
         )
 
@@ -339,14 +376,16 @@ class ScoredRetention(Retention):
     def _attended(self, keys, new_keys, slots, query, scaling, positions) -> Attended:
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
-        if not self.padded:
+        if not self.padded and not self.pooled:  # pooled: a head sees only the slots it owns
             return Attended(keys, new_keys, first_new, slots, query, scaling)
         query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
         return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask)
 
-    def _allocate(self, storage: Storage, like: torch.Tensor, capacity: int) -> None:
+    def _allocate(self, storage: Storage, like: torch.Tensor, capacity: int, heads: int | None = None) -> None:
+        """Storage shaped like ``like`` and per-head state; ``heads`` where the state has more
+        heads than the storage (pooled: one storage row, a state row per head)."""
         storage.allocate(like, capacity)
-        batch, heads = like.shape[:2]
+        batch, heads = like.shape[0], heads or like.shape[1]
         shape = (batch, heads, storage.capacity)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=like.device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=like.device)
@@ -370,6 +409,8 @@ class ScoredRetention(Retention):
         self.seen += q
 
     def _kept_count(self) -> int:
+        if self.pooled and self.positions is not None:  # freed slots hold no position; free ones to fill lie past live
+            return self.live - self.positions.shape[1] if self.has_free else self.live
         return self.live - 1 if self.has_free else self.live
 
     def _kept_index(self) -> torch.Tensor | None:
@@ -383,6 +424,13 @@ class ScoredRetention(Retention):
         """Keys, values (when ``storage`` is given), positions, scores and extra of the kept tokens."""
         if self.positions is None:
             return None, None, torch.empty(1, 1, 0, dtype=torch.long), None, {}
+        if self.pooled:  # every slot in use, each head's row showing its own
+            batch, heads = self.positions.shape[:2]
+            keys, values = (
+                (t.expand(batch, heads, -1, -1) for t in storage.read(self.live)) if storage is not None else (None, None)
+            )
+            take = lambda t: t[..., : self.live]  # noqa: E731
+            return keys, values, take(self.positions), take(self.scores), {n: take(t) for n, t in self.extra.items()}
         index = self._kept_index()
         if index is None:
             keys, values = storage.read(self.live) if storage is not None else (None, None)
@@ -414,6 +462,9 @@ class ScoredRetention(Retention):
         return all_keys, all_values
 
     def _trim(self, storage: Storage, pending: Pending) -> None:
+        if self.pooled:
+            self._pooled_trim(storage, pending)
+            return
         count = min(self.budget, pending.positions.shape[-1])
         ranked = self.selection_scores(pending.positions, pending.scores)
         stay = self._best(pending.positions, ranked, count)
@@ -429,6 +480,57 @@ class ScoredRetention(Retention):
             t[..., :count] = source.gather(-1, stay.view(*stay.shape[:2], *[1] * (t.dim() - 3), -1).expand(*source.shape[:-1], -1))
         self.live = count
         self.has_free = False
+
+    # --- pooled heads (head_budgets="adaptive") ------------------------------------------------
+    def _pooled_trim(self, storage: Storage, pending: Pending) -> None:
+        """Keep the best ``heads x budget`` of every head's tokens together, in one pooled row."""
+        batch, heads, k = pending.positions.shape
+        count = min(self.budget * heads, heads * k)
+        ranked = self._evictable(pending.positions, self.selection_scores(pending.positions, pending.scores))
+        chosen = pooled_best(pending.positions, ranked, count)
+        capacity = heads * (self.budget + 1)
+        if not storage.is_allocated or storage.capacity != capacity:
+            self._allocate(storage, pending.keys[:, :1], capacity, heads)
+        keys, values = (take_flat(t.movedim(-1, -2), chosen).movedim(-2, -1) for t in (pending.keys, pending.values))
+        storage.write(0, keys[:, None], values[:, None])
+        head = chosen // k
+        self.positions[..., :count] = owned_by_head(take_flat(pending.positions, chosen), head, heads, -1)
+        self.positions[..., count:] = -1
+        self.scores[..., :count] = owned_by_head(take_flat(pending.scores, chosen), head, heads, 0.0)
+        for name, t in self.extra.items():
+            t[..., :count] = owned_by_head(take_flat(pending.extra[name], chosen), head, heads, 0)
+            t[..., count:] = 0
+        self.live, self.has_free = count, False
+        self.free = (count + torch.arange(heads, device=chosen.device)).view(1, heads, 1).repeat(batch, 1, 1)
+
+    def _pooled_step(self, storage, keys, values, new_positions, query, scaling):
+        """One decoded token per head into its free slot, scored with every slot the head owns;
+        when the pool is full, the ``heads`` slots ranked lowest in the layer become free."""
+        batch, heads = keys.shape[:2]
+        slots = self.free
+        storage.write(slots.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        self._record(slots, new_positions, 1)
+        self.live = self._pooled_live_after()
+        all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read(self.live))
+        positions = self.positions[..., : self.live]
+        query_mask = (new_positions[:, 0] >= 0) if self.padded else None
+        seen = Attended(all_keys, keys, self.live - 1, slots, query, scaling, positions >= 0, query_mask)
+        extra = {name: t[..., : self.live] for name, t in self.extra.items()}
+        self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
+        if self.live < storage.capacity:
+            self.free = slots + heads  # the next append
+            return all_keys, all_values
+        ranked = self._evictable(self.positions, self.selection_scores(self.positions, self.scores))
+        victims = pooled_victims(self.positions, ranked, heads)  # victim i becomes head i's free slot
+        self.free = victims.unsqueeze(-1)
+        # the freed slots hold no token for any head (scores and state are reset when written)
+        self.positions.scatter_(-1, victims.unsqueeze(1).expand(batch, heads, heads), -1)
+        self.has_free = True
+        return all_keys, all_values
+
+    def _pooled_live_after(self) -> int:
+        """Slots in use after the next decode step: ``heads`` more while the pool fills."""
+        return self.live if self.has_free else min(self.live + self.positions.shape[1], self.positions.shape[-1])
 
     def _lowest(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""

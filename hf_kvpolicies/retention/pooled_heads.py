@@ -1,0 +1,70 @@
+"""Head-wise budgets: the KV heads of a layer share its budget, with the memory really freed.
+
+With ``head_budgets="adaptive"`` a layer's ``heads x budget`` kept tokens go to whichever of its
+KV heads' tokens rank best (AdaKV, Feng et al., 2024; KVzip's head-level ranking), so one head
+may keep 500 tokens and another 30. Holding that in ``[batch, heads, slots, dim]`` would cost the
+busiest head's count for every head (kvpress masks instead, and frees nothing). So the layer's
+storage is *pooled*: one tensor ``[batch, 1, heads x (budget + 1), dim]``, each slot owned by
+one head. The retention keeps per-head views of its state, ``[batch, heads, slots]``, where a
+slot holds a position only in its owner's row (``-1`` elsewhere), so every per-head rule
+(masks, scores, selection smoothing) reads it unchanged. Attention sees the pooled slots
+expanded to every head (a view, no copy) under a per-head mask that shows each head its own.
+
+This module holds the two decisions that differ from the per-head layout, as pure functions of
+``positions`` and ranking scores ``[batch, heads, k]`` (``-inf``: no token, ``+inf``: protected):
+which tokens a trim keeps (:func:`pooled_best`) and which slots a decode step frees
+(:func:`pooled_victims`). Ties go as in the per-head layout: a trim keeps the newest, an eviction
+takes the oldest, and among copies of one position the lower head index stays (trim) or goes
+(eviction) first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pooled_best(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """``[batch, count]`` indices into the flattened ``heads x k`` candidates that a trim keeps,
+    ascending: the best ranks of every head together, the newest position, then the lower head
+    index among ties."""
+    flat_positions, flat_ranked = positions.flatten(1), ranked.flatten(1)
+    order = flat_positions.argsort(dim=-1, descending=True, stable=True)  # head-major, so lower heads first
+    order = order.gather(-1, flat_ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    return order[..., :count].sort(dim=-1).values
+
+
+def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """``[batch, count]`` pooled slots to free: empty slots first, then the lowest rank of any
+    head, the oldest position, the lower head index among ties. ``positions``/``ranked`` are the
+    per-head views of the pooled slots (a slot is owned by the head whose row holds a position)."""
+    heads = positions.shape[1]
+    owned = positions >= 0
+    head = torch.arange(heads, device=positions.device).view(1, heads, 1)
+    # one integer per slot orders by (position, head): the owner's, -1 for a slot nobody owns
+    slot_key = torch.where(owned, positions * heads + head, -1).amax(dim=1)
+    slot_rank = torch.where(owned, ranked, float("inf")).amin(dim=1).masked_fill(slot_key < 0, float("-inf"))
+    # (rank, position, head) as one int64 per slot, so that one top-k orders them: the fp32 rank's
+    # bits made monotone (negative floats' magnitude bits flipped; + 0.0 turns -0.0 into 0.0) above
+    # the slot key
+    bits = (slot_rank.float() + 0.0).view(torch.int32)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return (monotone * 2**32 + slot_key + 1).topk(count, dim=-1, largest=False).indices
+
+
+def owned_by_head(values: torch.Tensor, head: torch.Tensor, heads: int, fill: float | int) -> torch.Tensor:
+    """Per-head view ``[batch, heads, *middle, n]`` of pooled ``values`` ``[batch, *middle, n]``
+    whose slot ``j`` belongs to ``head[:, j]``: the value in the owner's row, ``fill`` elsewhere."""
+    batch, n = head.shape
+    middle = values.shape[1:-1]
+    out = values.new_full((batch, heads, *middle, n), fill)
+    index = head.view(batch, 1, *[1] * len(middle), n).expand(batch, 1, *middle, n)
+    return out.scatter_(1, index, values.unsqueeze(1))
+
+
+def take_flat(source: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``source`` ``[batch, heads, *middle, k]`` at the flattened ``heads x k`` indices ``chosen``
+    ``[batch, n]``: ``[batch, *middle, n]``."""
+    batch, n = chosen.shape
+    flat = source.movedim(1, -2).flatten(-2)  # [batch, *middle, heads * k]
+    middle = flat.shape[1:-1]
+    return flat.gather(-1, chosen.view(batch, *[1] * len(middle), n).expand(batch, *middle, n))
