@@ -85,3 +85,16 @@ def real_positions(cache: Cache, row: int, shift: int = 0) -> list[list[list[int
         [[p - shift for p in head.tolist() if p >= 0] for head in layer.retention.kept_positions()[row]]
         for layer in cache.layers
     ]
+
+
+def forward_with_attentions(model: PreTrainedModel, ids: torch.Tensor, start: int, stop: int, cache: Cache):
+    """The naive references' forward: tokens ``[start, stop)`` of every row at their absolute
+    positions, into ``cache``, returning the eager attention weights with the logits."""
+    batch, length = ids.shape[0], stop - start
+    return model(
+        ids[:, start:stop],
+        position_ids=torch.arange(start, stop).expand(batch, length),
+        cache=cache,
+        use_cache=True,
+        output_attentions=True,
+    )

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from helpers import greedy, prefill_then_decode
+from helpers import forward_with_attentions, greedy, prefill_then_decode
 from tiny_models import COMMON, random_ids, tiny_gemma3, tiny_llama, tiny_qwen3
 from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 
@@ -48,13 +48,7 @@ def naive_h2o(model, ids: torch.Tensor, chunks: list[int], heavy: int, recent: i
     for length in chunks:
         stop = start + length
         columns = {i: every_position[kept[i]].view(batch, kv_heads, -1) for i in layers}  # what attention sees
-        out = model(
-            ids[:, start:stop],
-            position_ids=torch.arange(start, stop).expand(batch, length),
-            cache=cache,
-            use_cache=True,
-            output_attentions=True,
-        )
+        out = forward_with_attentions(model, ids, start, stop, cache)
         logits.append(out.logits)
         for i in layers:
             layer = cache.layers[i]

@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from helpers import generated_logits, greedy, left_padded, prefill_then_decode, real_positions
+from helpers import forward_with_attentions, generated_logits, greedy, left_padded, prefill_then_decode, real_positions
 from test_h2o import full_layers, peaked
 from test_kvzip import TOKENIZER, KVzipRule
 from test_reconstruction import reference_scores
@@ -26,7 +26,6 @@ from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from hf_kvpolicies import FullCache, H2OCache, KNormCache, KVzipCache, SnapKVCache, TOVACache, from_spec
-from hf_kvpolicies.storage import FP8Storage
 
 
 class H2ORule:
@@ -72,13 +71,7 @@ def naive_pooled(model, ids: torch.Tensor, chunks: list[int], rule):
                 allowed[..., start:stop] |= torch.ones(length, length, dtype=torch.bool).tril()
                 masks[i] = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
                 masks[i] = masks[i].repeat_interleave(groups, dim=1)
-            out = model(
-                ids[:, start:stop],
-                position_ids=torch.arange(start, stop).expand(batch, length),
-                cache=cache,
-                use_cache=True,
-                output_attentions=True,
-            )
+            out = forward_with_attentions(model, ids, start, stop, cache)
             logits.append(out.logits)
             for i in layers:
                 attention = torch.zeros(batch, kv_heads, groups, length, total)
@@ -139,11 +132,14 @@ MODELS = {
     "llama-4kv": functools.partial(tiny_llama, num_attention_heads=8, num_key_value_heads=4),
     "gemma3-mqa": tiny_gemma3,
 }
-POLICIES = {
-    "h2o": (lambda m: H2OCache(m, heavy=6, recent=4, head_budgets="adaptive"), lambda: H2ORule(6, 4)),
-    "snapkv": (lambda m: SnapKVCache(m, budget=10, window=4, kernel=3, head_budgets="adaptive"), lambda: SnapKVRule(10, 4, 3)),
-    "tova": (lambda m: TOVACache(m, budget=8, head_budgets="adaptive"), lambda: TOVARule(8)),
-    "knorm": (lambda m: KNormCache(m, budget=10, recent=3, head_budgets="adaptive"), lambda: KNormRule(10, 3)),
+POLICIES = {  # the cache (keywords such as storage= passed on), and its reference rule
+    "h2o": (lambda m, **kw: H2OCache(m, heavy=6, recent=4, head_budgets="adaptive", **kw), lambda: H2ORule(6, 4)),
+    "snapkv": (
+        lambda m, **kw: SnapKVCache(m, budget=10, window=4, kernel=3, head_budgets="adaptive", **kw),
+        lambda: SnapKVRule(10, 4, 3),
+    ),
+    "tova": (lambda m, **kw: TOVACache(m, budget=8, head_budgets="adaptive", **kw), lambda: TOVARule(8)),
+    "knorm": (lambda m, **kw: KNormCache(m, budget=10, recent=3, head_budgets="adaptive", **kw), lambda: KNormRule(10, 3)),
 }
 CASES = [
     ("h2o", "llama-4kv", "long prompt"),
@@ -252,8 +248,7 @@ def test_beams_and_fp8_storage(name, one_thread):
     assert greedy(model, ids, cache, 12, num_beams=3).shape == (1, 42)
     assert cache.layers[0].retention.positions.shape[0] == 3
     long = random_ids(2, 60, seed=7)
-    native, fp8 = POLICIES[name][0](model), POLICIES[name][0](model)
-    fp8 = type(native)(model, **{**vars_of(native), "storage": "fp8:residual=0"})
+    native, fp8 = POLICIES[name][0](model), POLICIES[name][0](model, storage="fp8:residual=0")
     prefill_then_decode(model, long, native, prefill=30)
     prefill_then_decode(model, long, fp8, prefill=30)
     for row in range(2):
@@ -265,16 +260,6 @@ def test_beams_and_fp8_storage(name, one_thread):
             shared = sum(len(set(x) & set(y)) for a, b in zip(mine, theirs) for x, y in zip(a, b))
             assert shared >= 0.65 * kept  # measured 0.68-1.0; a random choice of 10 in 60 shares about 0.17
     assert fp8.get_memory_footprint() < native.get_memory_footprint()
-
-
-def vars_of(cache) -> dict:
-    """The keywords ``POLICIES`` builds ``cache`` with (to build it again with another storage)."""
-    return {
-        "H2OCache": lambda: dict(heavy=6, recent=4),
-        "SnapKVCache": lambda: dict(budget=10, window=4, kernel=3),
-        "TOVACache": lambda: dict(budget=8),
-        "KNormCache": lambda: dict(budget=10, recent=3),
-    }[type(cache).__name__]() | {"head_budgets": "adaptive"}
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from helpers import generated_logits, greedy, left_padded, prefill_then_decode
+from helpers import forward_with_attentions, generated_logits, greedy, left_padded, prefill_then_decode
 from test_h2o import full_layers, peaked
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
@@ -100,13 +100,7 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
     logits, kept_log, start = [], [], 0
     for length in chunks:
         stop = start + length
-        out = model(
-            ids[:, start:stop],
-            position_ids=torch.arange(start, stop).expand(batch, length),
-            cache=cache,
-            use_cache=True,
-            output_attentions=True,
-        )
+        out = forward_with_attentions(model, ids, start, stop, cache)
         logits.append(out.logits)
         for i in layers:
             layer = cache.layers[i]
