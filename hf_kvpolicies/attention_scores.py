@@ -203,12 +203,19 @@ def attention_chunks(
     kv_heads, key_count = keys.shape[1], keys.shape[2]
     groups = query_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
+    # pooled heads hand every KV head one shared key row (an expanded view): one product of all
+    # query heads with that row instead of a copy of it per KV head
+    shared = kv_heads > 1 and keys.stride(1) == 0
     step = max(1, (chunk_elements or SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
     for start in range(0, length, step):
         stop = min(length, start + step)
         end = min(key_count, first_new + stop)
-        rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
-        logits = torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)).mul_(scaling)
+        if shared:
+            rows = grouped[:, :, :, start:stop].reshape(batch, 1, kv_heads * groups * (stop - start), head_dim)
+            logits = torch.matmul(rows, keys[:, :1, :end].transpose(-1, -2)).mul_(scaling)
+        else:
+            rows = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * (stop - start), head_dim)
+            logits = torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)).mul_(scaling)
         logits = logits.view(batch, kv_heads, groups, stop - start, end)
         if key_mask is not None:  # the lowest finite logit: a query that sees only pads stays finite
             logits.masked_fill_(~key_mask[:, :, None, None, :end], torch.finfo(logits.dtype).min)

@@ -8,7 +8,7 @@ from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, attention_scores
-from hf_kvpolicies.attention_scores import accumulated_attention, detach_query_hook
+from hf_kvpolicies.attention_scores import accumulated_attention, detach_query_hook, max_attention
 
 
 def naive_scores(query, keys, scaling, first_new):
@@ -44,6 +44,22 @@ def test_chunked_scores_equal_unchunked(monkeypatch):
         assert sizes == expected_sizes and sum(sizes) < 0.7 * 2 * 6 * 37 * 50
         torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=0)
+
+
+def test_shared_key_row_scores_like_a_copy_per_head():
+    """Pooled heads hand one key row expanded to every KV head; scoring it as one product with
+    all query heads gives what a materialised copy per head gives (masks, chunks, both statistics)."""
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 6, 9, 8, generator=generator)
+    row = torch.randn(2, 1, 40, 8, generator=generator)
+    shared, copied = row.expand(2, 3, 40, 8), row.repeat(1, 3, 1, 1)
+    key_mask = torch.rand(2, 3, 40, generator=generator) > 0.3
+    for statistic in (accumulated_attention, max_attention):
+        for chunk_elements in (10**9, 2 * 6 * 40 * 2):
+            expected = statistic(query, copied, 0.3, 31, chunk_elements, key_mask)
+            got = statistic(query, shared, 0.3, 31, chunk_elements, key_mask)
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(expected[:, 0], expected[:, 1])  # the heads' masks differ, and so do their scores
 
 
 def test_prefill_scores_do_not_depend_on_the_chunk(monkeypatch):

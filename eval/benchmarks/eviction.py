@@ -17,7 +17,8 @@ A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
 ``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
 (KVzip with uniform layer budgets, its KV heads sharing each layer's; KVzip with one budget per
 layer and KV head, ``kvzip-per-head``; SnapKV with the former default kernel 7, which pools too
-narrowly to carry the question's attention from a needle's key over the 7 digits after it).
+narrowly to carry the question's attention from a needle's key over the 7 digits after it; SnapKV
+pooling by average, as the paper's code and kvpress do, ``snapkv-avg``).
 The needle table also gives the bytes each cache holds after its longest answer
 (``eval.memory.held_bytes``). KVzip's prefill includes its
 reconstruction pass: its ratio to FullCache is stated, with no target.
@@ -65,11 +66,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "kvzip-uniform": ("kvzip", {"layer_budgets": "uniform"}),
     "kvzip-per-head": ("kvzip", {"layer_budgets": "uniform", "head_budgets": "uniform"}),
     "snapkv-k7": ("snapkv", {"kernel": 7}),
+    "snapkv-avg": ("snapkv", {"pooling": "avg"}),
 }
 """Contenders that are a policy with keywords changed: name -> (policy, keywords)."""
 SCORED = ("h2o", "snapkv", "tova", "knorm")
 """The scored policies whose prefill has a target (<= SPEED_RATIO x FullCache's); KVzip's is stated."""
-NEEDLE_POLICIES = ["full", "window", "h2o", "snapkv", "snapkv-k7", "kvzip", "kvzip-uniform"]
+NEEDLE_POLICIES = ["full", "window", "h2o", "snapkv", "snapkv-k7", "snapkv-avg", "kvzip", "kvzip-uniform"]
 NEEDLE_LENGTHS = (1024, 2048)
 SPEED_RATIO = 1.3  # decode vs the sliding window at the same budget; prefill vs FullCache
 FLAT_RATIO = 1.05  # decode at the longest vs the shortest context

@@ -36,19 +36,21 @@ def pooled_best(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> to
 def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> torch.Tensor:
     """``[batch, count]`` pooled slots to free: empty slots first, then the lowest rank of any
     head, the oldest position, the lower head index among ties. ``positions``/``ranked`` are the
-    per-head views of the pooled slots (a slot is owned by the head whose row holds a position)."""
+    per-head views of the pooled slots (a slot is owned by the head whose row holds a position;
+    ``ranked`` is ``-inf`` wherever ``positions`` is ``-1``, as ``_evictable`` leaves it)."""
     heads = positions.shape[1]
-    owned = positions >= 0
     head = torch.arange(heads, device=positions.device).view(1, heads, 1)
-    # one integer per slot orders by (position, head): the owner's, -1 for a slot nobody owns
-    slot_key = torch.where(owned, positions * heads + head, -1).amax(dim=1)
-    slot_rank = torch.where(owned, ranked, float("inf")).amin(dim=1).masked_fill(slot_key < 0, float("-inf"))
+    # one row owns a slot, the others hold -1 there: the largest over heads is the owner's
+    # (position * heads + head) and rank; a slot nobody owns gets key -1 (-heads + the last head)
+    # and rank -inf
+    slot_key = (positions * heads + head).amax(dim=1)
+    slot_rank = ranked.amax(dim=1)
     # (rank, position, head) as one int64 per slot, so that one top-k orders them: the fp32 rank's
-    # bits made monotone (negative floats' magnitude bits flipped; + 0.0 turns -0.0 into 0.0) above
-    # the slot key
+    # bits made monotone (a negative float's magnitude bits flipped by its sign, shifted out to
+    # all ones; + 0.0 turns -0.0 into 0.0) above the slot key
     bits = (slot_rank.float() + 0.0).view(torch.int32)
-    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    return (monotone * 2**32 + slot_key + 1).topk(count, dim=-1, largest=False).indices
+    monotone = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    return (monotone * 2**32 + (slot_key + 1)).topk(count, dim=-1, largest=False).indices
 
 
 def owned_by_head(values: torch.Tensor, head: torch.Tensor, heads: int, fill: float | int) -> torch.Tensor:

@@ -208,18 +208,17 @@ class ScoredRetention(Retention):
 
     def key_positions(self, q: int) -> torch.Tensor:
         """``[batch, kv_heads, k]`` positions of the keys the next update returns, in that order."""
-        new = torch.arange(self.seen, self.seen + q)
         if self.positions is None:
-            return new.view(1, 1, q)
-        new = new.to(self.positions.device)
+            return torch.arange(self.seen, self.seen + q).view(1, 1, q)
         slots = self.plan(q)
+        if slots is not None and self.pooled:
+            return self.positions.scatter(-1, self.free, self.seen)[..., : self._pooled_live_after()]
+        if slots is not None and self.has_free:
+            return self.positions.scatter(-1, self.free, self.seen)
+        new = torch.arange(self.seen, self.seen + q, device=self.positions.device)
         if slots is None:
             kept = self._kept_state()[2]
             return torch.cat([kept, new.expand(*kept.shape[:2], q)], dim=-1)
-        if self.pooled:
-            return self.positions.scatter(-1, self.free, self.seen)[..., : self._pooled_live_after()]
-        if self.has_free:
-            return self.positions.scatter(-1, self.free, self.seen)
         held = self.positions[..., : self.live]
         return torch.cat([held, new.expand(*held.shape[:2], q)], dim=-1)
 
