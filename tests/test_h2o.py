@@ -72,12 +72,14 @@ def naive_h2o(model, ids: torch.Tensor, chunks: list[int], heavy: int, recent: i
 
 
 @torch.no_grad()
-def run_h2o(model, ids: torch.Tensor, chunks: list[int], cache: H2OCache):
-    """The same schedule through ``cache``; same return values as :func:`naive_h2o`."""
+def run_schedule(model, ids: torch.Tensor, chunks: list[int], cache, kept=lambda retention: retention.kept_positions()):
+    """The same schedule through ``cache``; same return values as :func:`naive_h2o` (the test
+    files of every scored policy drive their caches with it), each full layer's kept positions
+    as ``kept(retention)`` gives them."""
     logits, kept_log, start = [], [], 0
     for length in chunks:
         logits.append(model(ids[:, start : start + length], cache=cache, use_cache=True).logits)
-        kept_log.append({i: cache.layers[i].retention.kept_positions() for i in full_layers(model)})
+        kept_log.append({i: kept(cache.layers[i].retention) for i in full_layers(model)})
         start += length
     return torch.cat(logits, 1), kept_log
 
@@ -117,7 +119,7 @@ def test_matches_naive_reference(model_name, schedule, implementation):
     model.set_attn_implementation(implementation)
     chunks = SCHEDULES[schedule]
     cache = H2OCache(model, heavy=HEAVY, recent=RECENT)
-    logits, kept = run_h2o(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:
             assert torch.equal(got[layer], want[layer]), f"forward {step}, layer {layer}"
@@ -163,9 +165,9 @@ def test_batch_rows_are_independent():
     model = peaked(tiny_llama())
     ids = random_ids(2, 70, seed=9)
     chunks = [20] + [1] * 50
-    together_logits, together_kept = run_h2o(model, ids, chunks, H2OCache(model, heavy=5, recent=3))
+    together_logits, together_kept = run_schedule(model, ids, chunks, H2OCache(model, heavy=5, recent=3))
     for row in range(2):
-        alone_logits, alone_kept = run_h2o(model, ids[row : row + 1], chunks, H2OCache(model, heavy=5, recent=3))
+        alone_logits, alone_kept = run_schedule(model, ids[row : row + 1], chunks, H2OCache(model, heavy=5, recent=3))
         torch.testing.assert_close(together_logits[row : row + 1], alone_logits, atol=1e-5, rtol=0)
         assert all(torch.equal(t[i][row : row + 1], a[i]) for t, a in zip(together_kept, alone_kept) for i in a)
     assert not torch.equal(together_kept[-1][0][0], together_kept[-1][0][1])  # rows really differ
@@ -184,7 +186,7 @@ def test_reorder_moves_scores_and_positions_with_the_keys():
         cache.reorder_cache(torch.tensor([1, 0]))
         logits = [model(swapped[:, t : t + 1], cache=cache).logits for t in range(40, 60)]
     expected = H2OCache(model, heavy=5, recent=3)
-    expected_logits, expected_kept = run_h2o(model, swapped, [20] + [1] * 40, expected)
+    expected_logits, expected_kept = run_schedule(model, swapped, [20] + [1] * 40, expected)
     torch.testing.assert_close(torch.cat(logits, 1), expected_logits[:, 40:], atol=1e-5, rtol=0)
     for layer, want in zip(cache.layers, expected.layers):
         assert torch.equal(layer.retention.kept_positions(), want.retention.kept_positions())

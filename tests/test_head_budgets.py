@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 from helpers import forward_with_attentions, generated_logits, greedy, left_padded, prefill_then_decode, real_positions
-from test_h2o import full_layers, peaked
+from test_h2o import SCHEDULES, full_layers, peaked, run_schedule
 from test_kvzip import TOKENIZER, KVzipRule
 from test_reconstruction import reference_scores
 from test_scored import KNormRule, SnapKVRule, TOVARule
@@ -108,25 +108,11 @@ def pooled_keep(rule, state, before: list[list[int]], start: int, stop: int, b: 
     return [sorted(p for g, p in chosen if g == h) for h in range(heads)]
 
 
-@torch.no_grad()
-def run_pooled(model, ids: torch.Tensor, chunks: list[int], cache):
-    logits, kept_log, start = [], [], 0
-    for length in chunks:
-        logits.append(model(ids[:, start : start + length], cache=cache, use_cache=True).logits)
-        log = {}
-        for i in full_layers(model):
-            positions = cache.layers[i].retention.kept_positions()
-            log[i] = [[[p for p in head.tolist() if p >= 0] for head in row] for row in positions]
-        kept_log.append(log)
-        start += length
-    return torch.cat(logits, 1), kept_log
+def owned_positions(retention) -> list[list[list[int]]]:
+    """Each row's and KV head's kept positions as lists (pooled heads pad their rows with -1)."""
+    return [[[p for p in head.tolist() if p >= 0] for head in row] for row in retention.kept_positions()]
 
 
-SCHEDULES = {
-    "long prompt": [24] + [1] * 64,
-    "short prompt fills then evicts": [5] + [1] * 64,
-    "chunks, also after evictions": [16, 8, 1, 1, 1, 4] + [1] * 64,
-}
 MODELS = {
     "llama-gqa": tiny_llama,
     "llama-4kv": functools.partial(tiny_llama, num_attention_heads=8, num_key_value_heads=4),
@@ -168,7 +154,7 @@ def test_matches_naive_masked_reference(policy, model_name, schedule, one_thread
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
     cache = POLICIES[policy][0](model)
-    logits, kept = run_pooled(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache, owned_positions)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         assert got == want, f"forward {step}"
     heads = model.config.num_key_value_heads
@@ -282,7 +268,7 @@ def test_kvzip_pools_heads_by_default_and_matches_the_masked_reference(model_nam
     chunks = SCHEDULES[schedule]
     cache = KVzipCache(model, budget=10, recent=3, layer_budgets="uniform", tokenizer=TOKENIZER)
     assert cache.head_budgets == "adaptive"
-    logits, kept = run_pooled(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache, owned_positions)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         assert got == want, f"forward {step}"
     assert any(len(head) != 10 for layer in kept[0].values() for head in layer[0])

@@ -7,9 +7,9 @@ import functools
 import pytest
 import torch
 from helpers import greedy, prefill_then_decode, real_positions
-from test_h2o import peaked
+from test_h2o import SCHEDULES, peaked, run_schedule
 from test_reconstruction import reference_scores
-from test_scored import SCHEDULES, naive_eviction, run_cache
+from test_scored import naive_eviction
 from tiny_models import char_tokenizer, random_ids, save_tiny_model, tiny_gemma3, tiny_llama, tiny_qwen3
 
 from hf_kvpolicies import FullCache, KVzipCache, from_spec
@@ -81,7 +81,7 @@ def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
     cache = KVzipCache(
         model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", head_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER
     )
-    logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:
             assert torch.equal(got[layer], want[layer]), f"forward {step}, layer {layer}"

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from helpers import forward_with_attentions, generated_logits, greedy, left_padded, prefill_then_decode
-from test_h2o import full_layers, peaked
+from test_h2o import SCHEDULES, full_layers, peaked, run_schedule
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
@@ -140,21 +140,6 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
     return torch.cat(logits, 1), kept_log
 
 
-@torch.no_grad()
-def run_cache(model, ids: torch.Tensor, chunks: list[int], cache):
-    logits, kept_log, start = [], [], 0
-    for length in chunks:
-        logits.append(model(ids[:, start : start + length], cache=cache, use_cache=True).logits)
-        kept_log.append({i: cache.layers[i].retention.kept_positions() for i in full_layers(model)})
-        start += length
-    return torch.cat(logits, 1), kept_log
-
-
-SCHEDULES = {
-    "long prompt": [24] + [1] * 64,
-    "short prompt fills then evicts": [5] + [1] * 64,
-    "chunks, also after evictions": [16, 8, 1, 1, 1, 4] + [1] * 64,
-}
 MODELS = {
     "llama-gqa": tiny_llama,
     "gemma3-mqa": tiny_gemma3,
@@ -197,7 +182,7 @@ def test_matches_naive_reference(policy, model_name, schedule, one_thread):
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
     cache = POLICIES[policy][0](model)
-    logits, kept = run_cache(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
+    logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
         for layer in want:
             assert torch.equal(got[layer], want[layer]), f"forward {step}, layer {layer}"
