@@ -46,13 +46,21 @@ def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int 
 
 @torch.no_grad()
 def decode_step_times(
-    model: PreTrainedModel, caches: Sequence[Cache], token: torch.Tensor, steps: int, warmup: int = 2
+    model: PreTrainedModel,
+    caches: Sequence[Cache],
+    token: torch.Tensor | Sequence[torch.Tensor],
+    steps: int,
+    warmup: int = 2,
 ) -> list[list[float]]:
     """ms of each of ``steps`` greedy decode steps (after ``warmup`` untimed ones) for every cache,
-    continuing from ``token``; the caches take turns step by step, so that the drift of a shared
-    machine falls on all of them alike and their ratios stay steady."""
+    continuing from ``token`` (one for all, or one per cache: caches prefilled to different
+    contexts); the caches take turns step by step, so that the drift of a shared machine falls on
+    all of them alike and their ratios stay steady."""
     device = model.device
-    tokens = [token.to(device)] * len(caches)
+    given = [token] * len(caches) if isinstance(token, torch.Tensor) else list(token)
+    if len(given) != len(caches):
+        raise ValueError(f"decode_step_times got {len(given)} start tokens for {len(caches)} caches: give one token, or one per cache")
+    tokens = [t.to(device) for t in given]
     times: list[list[float]] = [[] for _ in caches]
     for step in range(warmup + steps):
         for index, cache in enumerate(caches):

@@ -180,6 +180,25 @@ class _QueryTap:
         receiver.receive_query(query, module.scaling, mask)
 
 
+def query_probabilities(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 softmax probabilities ``[batch, kv_heads, groups, k]`` of one query per query head
+    (``query`` ``[batch, query_heads, 1, head_dim]``) over every key: a decode step's, which sees
+    the whole cache. The arithmetic of :func:`attention_chunks` in as few operations as it takes:
+    a decode step pays for each one in every layer."""
+    batch, query_heads, _, head_dim = query.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[2]
+    if kv_heads > 1 and keys.stride(1) == 0:  # pooled heads: every query head against the one shared row
+        rows, keys = query.reshape(batch, 1, query_heads, head_dim), keys[:, :1]
+    else:
+        rows = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
+    logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scaling).view(batch, kv_heads, -1, key_count)
+    if key_mask is not None:  # the lowest finite logit, as attention_chunks
+        logits = torch.where(key_mask[:, :, None], logits, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
 def attention_chunks(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -271,6 +290,11 @@ def received_attention(
     """Each key's probabilities over the queries and the query heads of its KV head, chunk by
     chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either)."""
     batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
+    if query.shape[-2] == 1 and first_new == key_count - 1:  # a decode step: one query sees every key
+        probs = query_probabilities(query, keys, scaling, key_mask)
+        if query_mask is not None:
+            probs = probs * query_mask[:, None, None, :]
+        return probs.amax(dim=2) if largest else probs.sum(dim=2)
     total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
     for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
         if query_mask is not None:

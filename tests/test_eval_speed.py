@@ -44,6 +44,28 @@ def test_side_by_side_steps_advance_every_cache_and_decode_greedily():
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def test_side_by_side_steps_take_one_start_token_per_cache_at_different_contexts():
+    model = tiny_llama()
+    ids = random_ids(1, 40)
+    caches = [SlidingWindowCache(model, window=8), SlidingWindowCache(model, window=8)]
+    for cache, context in zip(caches, (16, 32)):
+        prefill(model, ids[:, :context], cache)
+    decode_step_times(model, caches, [ids[:, 16:17], ids[:, 32:33]], steps=2, warmup=0)
+    assert [cache.get_seq_length() for cache in caches] == [18, 34]
+    # the second cache continued from its own token: decoding it alone from token 32 gives the same logits
+    alone = SlidingWindowCache(model, window=8)
+    prefill(model, ids[:, :32], alone)
+    token = ids[:, 32:33]
+    with torch.no_grad():
+        for _ in range(2):
+            token = model(token, cache=alone, use_cache=True).logits[:, -1:].argmax(-1)
+        expected = model(ids[:, :1], cache=alone, use_cache=True).logits
+        got = model(ids[:, :1], cache=caches[1], use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="one per cache"):
+        decode_step_times(model, caches, [ids[:, 16:17]], steps=1)
+
+
 def test_speed_profile_lists_every_context_in_order():
     model = tiny_llama()
     figures = speed_profile(model, lambda: SlidingWindowCache(model, window=16), random_ids(1, 80), [16, 48], steps=3)

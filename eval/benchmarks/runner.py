@@ -2,8 +2,8 @@
 
 A benchmark module names its contenders (label -> cache factory) and calls :func:`run`.
 Runs time on a shared machine drift, so every figure of one table is measured in one process,
-decode steps are timed with the contenders taking turns step by step (their caches prefilled
-side by side), in ``--rounds`` rounds whose medians' median is the figure, so that neither
+decode steps are timed with every contender at every context taking turns step by step (their
+caches prefilled side by side), in ``--rounds`` rounds whose medians' median is the figure, so that neither
 drift nor one disturbed round decides a ratio; ratios are taken against the first contender.
 """
 
@@ -65,15 +65,21 @@ def run(
     medians: dict[tuple[str, int], list[float]] = {}
     sizes: dict[tuple[str, int], int] = {}
     for _ in range(rounds):
+        caches, starts, keys = [], [], []
         for context in contexts:
-            caches = [contender.make(model) for contender in contenders]
-            for contender, cache in zip(contenders, caches):
+            for contender in contenders:
+                cache = contender.make(model)
                 prefill(model, ids[:, :context], cache)
                 sizes[contender.label, context] = footprint(cache)
-            times = decode_step_times(model, caches, ids[:, context : context + 1], steps)
-            for contender, series in zip(contenders, times):
-                medians.setdefault((contender.label, context), []).append(statistics.median(series))
-            del caches
+                caches.append(cache)
+                starts.append(ids[:, context : context + 1])
+                keys.append((contender.label, context))
+        # every contender at every context takes its turn in one loop: drift falls on the contexts
+        # alike too, so that a ratio of contexts (is decoding flat?) is as steady as one of contenders
+        times = decode_step_times(model, caches, starts, steps)
+        for key, series in zip(keys, times):
+            medians.setdefault(key, []).append(statistics.median(series))
+        del caches
     for context in contexts:
         for contender in contenders:
             contender.figures[f"ms/token @{context}"] = statistics.median(medians[contender.label, context])

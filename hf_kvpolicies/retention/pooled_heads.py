@@ -39,18 +39,17 @@ def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) ->
     per-head views of the pooled slots (a slot is owned by the head whose row holds a position;
     ``ranked`` is ``-inf`` wherever ``positions`` is ``-1``, as ``_evictable`` leaves it)."""
     heads = positions.shape[1]
-    head = torch.arange(heads, device=positions.device).view(1, heads, 1)
+    head = torch.arange(1, heads + 1, device=positions.device).view(1, heads, 1)
     # one row owns a slot, the others hold -1 there: the largest over heads is the owner's
-    # (position * heads + head) and rank; a slot nobody owns gets key -1 (-heads + the last head)
-    # and rank -inf
-    slot_key = (positions * heads + head).amax(dim=1)
-    slot_rank = ranked.amax(dim=1)
+    # (position * heads + head + 1) and rank; a slot nobody owns gets key 0 and rank -inf
+    slot_key = (positions * heads).add_(head).amax(dim=1)
     # (rank, position, head) as one int64 per slot, so that one top-k orders them: the fp32 rank's
     # bits made monotone (a negative float's magnitude bits flipped by its sign, shifted out to
-    # all ones; + 0.0 turns -0.0 into 0.0) above the slot key
-    bits = (slot_rank.float() + 0.0).view(torch.int32)
-    monotone = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    return (monotone * 2**32 + (slot_key + 1)).topk(count, dim=-1, largest=False).indices
+    # all ones; + 0.0 turns -0.0 into 0.0) above the slot key (in place where the tensor is ours:
+    # a decode step pays for every operation)
+    bits = ranked.amax(dim=1).add_(0.0).view(torch.int32)
+    monotone = bits.bitwise_xor((bits >> 31).bitwise_and_(0x7FFFFFFF)).to(torch.int64)
+    return monotone.mul_(2**32).add_(slot_key).topk(count, dim=-1, largest=False).indices
 
 
 def owned_by_head(values: torch.Tensor, head: torch.Tensor, heads: int, fill: float | int) -> torch.Tensor:

@@ -339,9 +339,16 @@ class ScoredRetention(Retention):
             t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1), 0.0)
         self.live_t.copy_((self.live_t + 1).clamp(max=slots))
         all_keys, all_values = storage.read_static()
-        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=self.positions >= 0)
+        # eagerly, the host count says when every slot holds a token (the new one fills the last):
+        # then no key needs masking; compiled, the count is frozen, so the mask stays
+        every_slot_held = not torch.compiler.is_compiling() and not self.stale and self.live + 1 >= slots
+        key_mask = None if every_slot_held else self.positions >= 0
+        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask)
         self.scores.copy_(self.score(seen, self.scores, self.extra))
-        lowest = self._lowest(self.positions, self.selection_scores(self.positions, self.scores, self.seen_t + 1), self.seen_t + 1)
+        # the lowest is used only once every slot is in use (before, the next slot is the append),
+        # so no empty slot needs ranking last
+        ranked = self.selection_scores(self.positions, self.scores, self.seen_t + 1)
+        lowest = self._lowest(self.positions, ranked, self.seen_t + 1, every_slot_held=True)
         self.free.copy_(torch.where(self.live_t >= slots, lowest, self.live_t))
         self._static_done(storage)
         if not torch.compiler.is_compiling():
@@ -361,13 +368,17 @@ class ScoredRetention(Retention):
             )
         return pending
 
-    def _new_positions(self, keys: torch.Tensor, q: int) -> torch.Tensor:
-        """``[batch, kv_heads, q]`` positions of the new tokens, ``-1`` for pads."""
+    def _new_positions(self, keys: torch.Tensor, q: int) -> torch.Tensor | int:
+        """``[batch, kv_heads, q]`` positions of the new tokens, ``-1`` for pads; for one token
+        that is real in every row, its position as an int (a decode step builds no tensor)."""
         batch, heads = keys.shape[:2]
-        positions = torch.arange(self.seen, self.seen + q, device=keys.device).expand(batch, heads, q)
         padding = self._padding
         self._padding = None
-        if padding is None or padding.shape[-1] != self.seen + q:
+        padded = padding is not None and padding.shape[-1] == self.seen + q
+        if q == 1 and not padded:
+            return self.seen
+        positions = torch.arange(self.seen, self.seen + q, device=keys.device).expand(batch, heads, q)
+        if not padded:
             return positions
         real = padding[:, self.seen :].to(keys.device)
         return positions.masked_fill(~real[:, None, :], -1)
@@ -391,7 +402,7 @@ class ScoredRetention(Retention):
         self.free = torch.zeros(batch, heads, 1, dtype=torch.long, device=like.device)
         self.extra = self.extra_state(batch, heads, storage.capacity, like.device)
 
-    def _record(self, slots: SlotIndex, new_positions: torch.Tensor, q: int) -> None:
+    def _record(self, slots: SlotIndex, new_positions: torch.Tensor | int, q: int) -> None:
         if isinstance(slots, int):
             end = slots + q
             self.positions[..., slots:end] = new_positions
@@ -441,6 +452,8 @@ class ScoredRetention(Retention):
 
     def _attend_then_score(self, storage, keys, values, new_positions, query, scaling):
         batch, heads, q = keys.shape[:3]
+        if isinstance(new_positions, int):
+            new_positions = torch.full((batch, heads, q), new_positions, device=keys.device)
         if storage.is_allocated:
             old_keys, old_values, old_positions, old_scores, old_extra = self._kept_state(storage)
             all_keys = torch.cat([old_keys, keys], dim=-2)
@@ -511,15 +524,18 @@ class ScoredRetention(Retention):
         self._record(slots, new_positions, 1)
         self.live = self._pooled_live_after()
         all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read(self.live))
-        positions = self.positions[..., : self.live]
-        query_mask = (new_positions[:, 0] >= 0) if self.padded else None
-        seen = Attended(all_keys, keys, self.live - 1, slots, query, scaling, positions >= 0, query_mask)
-        extra = {name: t[..., : self.live] for name, t in self.extra.items()}
-        self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
-        if self.live < storage.capacity:
+        query_mask = None if isinstance(new_positions, int) else new_positions[:, 0] >= 0
+        if self.live < storage.capacity:  # the pool fills: slots past live are not attended yet
+            positions = self.positions[..., : self.live]
+            seen = Attended(all_keys, keys, self.live - 1, slots, query, scaling, positions >= 0, query_mask)
+            extra = {name: t[..., : self.live] for name, t in self.extra.items()}
+            self.scores[..., : self.live] = self.score(seen, self.scores[..., : self.live], extra)
             self.free = slots + heads  # the next append
             return all_keys, all_values
-        ranked = self._evictable(self.positions, self.selection_scores(self.positions, self.scores))
+        real = self.positions >= 0  # every slot is attended: whole tensors, no slices or copies
+        seen = Attended(all_keys, keys, self.live - 1, slots, query, scaling, real, query_mask)
+        self.scores = self.score(seen, self.scores, self.extra)
+        ranked = self._evictable(self.positions, self.selection_scores(self.positions, self.scores), real=real)
         victims = pooled_victims(self.positions, ranked, heads)  # victim i becomes head i's free slot
         self.free = victims.unsqueeze(-1)
         # the freed slots hold no token for any head (scores and state are reset when written)
@@ -531,11 +547,13 @@ class ScoredRetention(Retention):
         """Slots in use after the next decode step: ``heads`` more while the pool fills."""
         return self.live if self.has_free else min(self.live + self.positions.shape[1], self.positions.shape[-1])
 
-    def _lowest(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
+    def _lowest(
+        self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None, every_slot_held: bool = False
+    ) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
-        ranked = self._evictable(positions, scores, seen)
+        ranked = self._evictable(positions, scores, seen, every_slot_held=every_slot_held)
         lowest = ranked == ranked.amin(dim=-1, keepdim=True)
-        return positions.masked_fill(~lowest, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
+        return torch.where(lowest, positions, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
 
     def _best(self, positions: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
         """Indices (ascending) of the ``count`` tokens that stay: the protected ones, then the best
@@ -545,11 +563,26 @@ class ScoredRetention(Retention):
         best = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :count]
         return newest_first.gather(-1, best).sort(dim=-1).values
 
-    def _evictable(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
+    def _evictable(
+        self,
+        positions: torch.Tensor,
+        scores: torch.Tensor,
+        seen: int | torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
+        every_slot_held: bool = False,
+    ) -> torch.Tensor:
         """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf
-        (``seen``: tokens seen, the host count unless a static step gives the device one)."""
+        (``seen``: tokens seen, the host count unless a static step gives the device one; ``real``:
+        ``positions >= 0`` where the caller has it; ``every_slot_held``: no slot is empty). Each
+        step skips what cannot change the ranking: a decode step pays for every operation."""
         seen = self.seen if seen is None else seen
-        ranked = scores.masked_fill(positions > seen - 1 - self.protected, float("inf"))
+        ranked = scores
+        if self.protected:  # no position lies past seen - 1: with nothing protected, nothing to raise
+            ranked = ranked.masked_fill(positions > seen - 1 - self.protected, float("inf"))
+        if every_slot_held:
+            return ranked
+        if real is not None:
+            return torch.where(real, ranked, float("-inf"))
         return ranked.masked_fill(positions < 0, float("-inf"))
 
     def candidate_scores(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention_scores import attention_chunks
+from ..attention_scores import query_probabilities
 from .scored import Attended, ScoredRetention
 
 
@@ -22,6 +22,5 @@ class TOVARetention(ScoredRetention):
         super().__init__(budget, protected=0)
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        last = seen.first_new + seen.q - 1
-        _, _, probs = next(attention_chunks(seen.query[:, :, -1:], seen.keys, seen.scaling, last, seen.key_mask))
-        return probs.mean(dim=(2, 3))
+        # the latest query is the last key's: it sees every key
+        return query_probabilities(seen.query[:, :, -1:], seen.keys, seen.scaling, seen.key_mask).mean(dim=2)
