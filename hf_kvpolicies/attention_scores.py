@@ -220,6 +220,9 @@ def attention_chunks(
     """
     batch, query_heads, length, head_dim = query.shape
     kv_heads, key_count = keys.shape[1], keys.shape[2]
+    if length == 1 and first_new == key_count - 1:  # a decode step's one query sees every key
+        yield 0, 1, query_probabilities(query, keys, scaling, key_mask).unsqueeze(-2)
+        return
     groups = query_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
     # pooled heads hand every KV head one shared key row (an expanded view): one product of all

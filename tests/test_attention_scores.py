@@ -8,7 +8,13 @@ from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, attention_scores
-from hf_kvpolicies.attention_scores import accumulated_attention, detach_query_hook, max_attention
+from hf_kvpolicies.attention_scores import (
+    accumulated_attention,
+    attention_chunks,
+    detach_query_hook,
+    max_attention,
+    query_probabilities,
+)
 
 
 def naive_scores(query, keys, scaling, first_new):
@@ -60,6 +66,27 @@ def test_shared_key_row_scores_like_a_copy_per_head():
             got = statistic(query, shared, 0.3, 31, chunk_elements, key_mask)
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
     assert not torch.equal(expected[:, 0], expected[:, 1])  # the heads' masks differ, and so do their scores
+
+
+def test_one_decode_query_scores_as_the_last_row_of_a_forward():
+    """A decode step's query takes its own short path (one product, one softmax): it gives the
+    probabilities the chunked path gives the last query of a longer forward, for grouped heads and
+    for a pooled shared key row, with key masks, and both statistics follow."""
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 6, 4, 8, generator=generator)
+    row = torch.randn(2, 1, 30, 8, generator=generator)
+    key_mask = torch.rand(2, 3, 30, generator=generator) > 0.3
+    for keys in (torch.randn(2, 3, 30, 8, generator=generator), row.expand(2, 3, 30, 8)):
+        whole = list(attention_chunks(query, keys, 0.3, 26, key_mask, chunk_elements=10**9))
+        last = whole[0][2][:, :, :, -1:]
+        step = list(attention_chunks(query[:, :, -1:], keys, 0.3, 29, key_mask))
+        assert len(step) == 1 and step[0][:2] == (0, 1)
+        torch.testing.assert_close(step[0][2], last, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(query_probabilities(query[:, :, -1:], keys, 0.3, key_mask), last[:, :, :, 0])
+        for statistic, reduce in ((accumulated_attention, torch.sum), (max_attention, torch.amax)):
+            got = statistic(query[:, :, -1:], keys, 0.3, 29, key_mask=key_mask)
+            torch.testing.assert_close(got, reduce(last[:, :, :, 0], dim=2), rtol=1e-6, atol=1e-7)
+        assert (got[~key_mask] == 0).all() and (got[key_mask] > 0).all()
 
 
 def test_prefill_scores_do_not_depend_on_the_chunk(monkeypatch):
