@@ -180,6 +180,12 @@ class _QueryTap:
         receiver.receive_query(query, module.scaling, mask)
 
 
+def shares_one_key_row(keys: torch.Tensor) -> bool:
+    """Whether ``keys`` is one key row expanded to every KV head (pooled heads hand attention such a
+    view): scoring then multiplies every query head with that row, instead of a copy per KV head."""
+    return keys.shape[1] > 1 and keys.stride(1) == 0
+
+
 def query_probabilities(
     query: torch.Tensor, keys: torch.Tensor, scaling: float, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -189,7 +195,7 @@ def query_probabilities(
     a decode step pays for each one in every layer."""
     batch, query_heads, _, head_dim = query.shape
     kv_heads, key_count = keys.shape[1], keys.shape[2]
-    if kv_heads > 1 and keys.stride(1) == 0:  # pooled heads: every query head against the one shared row
+    if shares_one_key_row(keys):
         rows, keys = query.reshape(batch, 1, query_heads, head_dim), keys[:, :1]
     else:
         rows = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
@@ -225,9 +231,7 @@ def attention_chunks(
         return
     groups = query_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, groups, length, head_dim)
-    # pooled heads hand every KV head one shared key row (an expanded view): one product of all
-    # query heads with that row instead of a copy of it per KV head
-    shared = kv_heads > 1 and keys.stride(1) == 0
+    shared = shares_one_key_row(keys)
     step = max(1, (chunk_elements or SCORE_CHUNK_ELEMENTS) // (batch * query_heads * key_count))
     for start in range(0, length, step):
         stop = min(length, start + step)
@@ -293,18 +297,21 @@ def received_attention(
     """Each key's probabilities over the queries and the query heads of its KV head, chunk by
     chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either)."""
     batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
-    if query.shape[-2] == 1 and first_new == key_count - 1:  # a decode step: one query sees every key
-        probs = query_probabilities(query, keys, scaling, key_mask)
-        if query_mask is not None:
-            probs = probs * query_mask[:, None, None, :]
-        return probs.amax(dim=2) if largest else probs.sum(dim=2)
-    total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
+    total: torch.Tensor | None = None
     for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
         if query_mask is not None:
             probs = probs * query_mask[:, None, None, start:stop, None]
-        seen = total[..., : probs.shape[-1]]
+        received = probs.amax(dim=(2, 3)) if largest else probs.sum(dim=(2, 3))
+        if total is None and received.shape[-1] == key_count:
+            total = received  # a first chunk that sees every key (a decode step's): it is the total so far
+            continue
+        if total is None:  # the later keys are in this chunk's future: 0 until a later query sees them
+            total = torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
+        seen = total[..., : received.shape[-1]]
         if largest:
-            torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
+            torch.maximum(seen, received, out=seen)
         else:
-            seen += probs.sum(dim=(2, 3))
+            seen += received
+    if total is None:  # no queries
+        return torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
     return total

@@ -341,8 +341,8 @@ class ScoredRetention(Retention):
         all_keys, all_values = storage.read_static()
         # eagerly, the host count says when every slot holds a token (the new one fills the last):
         # then no key needs masking; compiled, the count is frozen, so the mask stays
-        every_slot_held = not torch.compiler.is_compiling() and not self.stale and self.live + 1 >= slots
-        key_mask = None if every_slot_held else self.positions >= 0
+        filled = not torch.compiler.is_compiling() and not self.stale and self.live + 1 >= slots
+        key_mask = None if filled else self.positions >= 0
         seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask)
         self.scores.copy_(self.score(seen, self.scores, self.extra))
         # the lowest is used only once every slot is in use (before, the next slot is the append),
