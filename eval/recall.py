@@ -46,7 +46,9 @@ OPTIONS: dict[str, dict[str, object]] = {
 """Each task's options and their defaults: RULER's, except ``common_freq`` (RULER's 30 needs ~1,800
 tokens for its 10 words alone; 10 keeps the common words 3x as frequent as the rare ones at 1K)."""
 VALUE_TYPES = {"number": ("number", "numbers"), "word": ("word", "words"), "uuid": ("uuid", "uuids")}
-SENTENCE_END = (".", "!", "?", "\n")
+SENTENCE_END = (".", "!", "?")
+ABBREVIATION = re.compile(r"(?:\b(?:e\.g|i\.e|cf|vs)|\.\.)\.$")
+"""A full stop that ends no sentence: "e.g.", "i.e.", "cf.", "vs." and an ellipsis."""
 SNAP = 48
 """Farthest (tokens) a needle moves from its exact depth to reach a sentence boundary."""
 
@@ -235,21 +237,46 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def _boundaries(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
-    """Positions ``p`` such that token ``p - 1`` ends a sentence or a line (plus 0 and the end)."""
+def _boundaries(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Where a needle may go, best first (each tier with 0 and the end): where a sentence ends a
+    line or a paragraph ends (the needle opens a line and splits no sentence), where a sentence
+    ends within a line, and where a line ends.
+
+    A sentence ends at ``.``, ``!`` or ``?`` followed by whitespace (not "e.g." and the like, not
+    "3.10"); a paragraph at a blank line. A line break alone is no sentence end: the haystack's
+    prose is wrapped, and a needle at a wrapped line's end makes the rest of the sentence read as
+    its continuation. Line ends serve only where a table or code holds no sentence end nearby.
+    """
     distinct = sorted(set(ids))
     texts = dict(zip(distinct, tokenizer.batch_decode([[i] for i in distinct])))
+    tiers: tuple[set[int], ...] = ({0, len(ids)}, {0, len(ids)}, {0, len(ids)})
+    tail, trailing = "", ""  # the text's last characters before its trailing whitespace; that whitespace
+    for p, token in enumerate(ids):
+        text = texts[token]
+        body = text.rstrip()
+        if body:
+            tail, trailing = (tail + trailing + body)[-8:], text[len(body) :]
+        else:
+            trailing += text
+        spaced = bool(trailing) or p + 1 == len(ids) or texts[ids[p + 1]][:1].isspace()
+        sentence = tail.endswith(SENTENCE_END) and spaced and not ABBREVIATION.search(tail)
+        line = trailing.endswith("\n")
+        if (sentence and line) or (line and trailing.count("\n") >= 2):
+            tiers[0].add(p + 1)
+        elif sentence and not trailing:
+            tiers[1].add(p + 1)
+        if line:
+            tiers[2].add(p + 1)
+    return tuple(sorted(tier) for tier in tiers)
 
-    def ends(p: int) -> bool:  # "3.10" is no boundary: the next token must start with a space
-        text = texts[ids[p]].rstrip(" ")
-        return text.endswith("\n") or (text.endswith(SENTENCE_END) and (p + 1 == len(ids) or texts[ids[p + 1]][:1].isspace()))
 
-    return sorted({0, len(ids), *(p + 1 for p in range(len(ids)) if ends(p))})
-
-
-def _snap(target: int, boundaries: list[int]) -> int:
-    nearest = min(boundaries, key=lambda b: (abs(b - target), b))
-    return nearest if abs(nearest - target) <= SNAP else target
+def _snap(target: int, tiers: tuple[list[int], ...]) -> int:
+    """The nearest position of the first tier that has one within ``SNAP`` tokens, else ``target``."""
+    for boundaries in tiers:
+        nearest = min(boundaries, key=lambda b: (abs(b - target), b))
+        if abs(nearest - target) <= SNAP:
+            return nearest
+    return target
 
 
 def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intro, needles, question, expected) -> RecallCase:
@@ -260,7 +287,7 @@ def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intr
         raise ValueError(f"recall task {task!r}: length {length} is too short for the prompt: use at least {length - room + 1} tokens")
     if len(haystack) < room:
         raise ValueError(f"the haystack has {len(haystack)} tokens, a {length}-token {task} case needs {room}: use a longer text")
-    starts = _boundaries(tokenizer, haystack[: len(haystack) - room + 1])
+    starts = _boundaries(tokenizer, haystack[: len(haystack) - room + 1])[0]  # a haystack opens a line
     offset = rng.choice(starts) if len(starts) > 1 else 0
     offset = min(offset, len(haystack) - room)
     text = haystack[offset : offset + room]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
+import string
 from collections import Counter
 
 import pytest
+import torch
 from tiny_models import char_tokenizer
 
 from eval.data import embedded_text, tokenize
@@ -39,7 +43,11 @@ def test_needles_land_at_the_stated_depth_and_hold_the_expected_strings(tokenize
     case = make_case(tokenizer, haystack, task=task, length=1200, depth=depth, seed=1)
     context = case.context_ids[0]
     text = tokenizer.decode(context)
-    room = context.shape[0] - len(case.needles) - sum(n.end - n.start - 1 for n in case.needles)
+    # the haystack's tokens: the context is the intro, then ``room`` haystack tokens and the needles;
+    # the first needle starts after the intro and ``depth * room`` of them (all needles at the end: exact)
+    first_placed = min(case.needles, key=lambda n: n.start)
+    between = context.shape[0] - sum(n.end - n.start for n in case.needles) - first_placed.start
+    room = between / (1 - first_placed.depth) if first_placed.depth < 1 else math.inf
     for needle in case.needles:
         assert tokenizer.decode(context[needle.start : needle.end]) == needle.text
         assert text.count(needle.text) == 1
@@ -59,7 +67,35 @@ def test_needles_sit_on_sentence_boundaries_where_the_text_has_them(tokenizer, h
     for seed in range(5):
         case = make_case(tokenizer, haystack, task="niah_single", length=1500, depth=0.5, seed=seed)
         before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        assert before.rstrip(" ").endswith((".", "!", "?", "\n")), before[-40:]
+        assert before.rstrip(" ").endswith((".", "!", "?", "\n")), before[-40:]  # a line end where no sentence ends near
+
+
+def wrapped_prose(sentence: str, count: int = 700) -> torch.Tensor:
+    """``count`` sentences of random words, ``sentence`` formatted with five of them."""
+    rng = random.Random(0)
+    words = sorted({"".join(rng.choices(string.ascii_lowercase, k=rng.randrange(4, 9))) for _ in range(300)})
+    return tokenize(char_tokenizer(), "".join(sentence.format(*rng.sample(words, 5)) for _ in range(count)))
+
+
+def test_a_wrapped_line_or_an_abbreviation_is_no_sentence_end(tokenizer):
+    """Prose wrapped mid-sentence: a needle at a line end would split its sentence in two."""
+    haystack = wrapped_prose("{} {}, e.g. {}\n{} {}. ")
+    for seed in range(4):
+        for depth in (0.2, 0.5, 0.8):
+            case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=seed)
+            needle = case.needles[0]
+            before = tokenizer.decode(case.context_ids[0, : needle.start])
+            after = tokenizer.decode(case.context_ids[0, needle.end :])
+            assert before.rstrip().endswith(".") and not before.rstrip().endswith("e.g."), before[-30:]
+            assert re.match(r" ?[a-z]+ [a-z]+, e\.g\.", after), after[:30]
+
+
+def test_without_sentence_ends_a_needle_still_splits_no_line(tokenizer):
+    haystack = wrapped_prose("{} = {}({}, {}) + {}\n")
+    for depth in (0.3, 0.7):
+        case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=1)
+        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
+        assert before.endswith("\n"), before[-30:]
 
 
 @pytest.mark.parametrize("value, pattern", [("number", r"\d{7}"), ("word", r"[a-z]{4,10}"), ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")])
