@@ -238,34 +238,44 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def _boundaries(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Where a needle may go, best first (each tier with 0 and the end): where a sentence ends a
-    line or a paragraph ends (the needle opens a line and splits no sentence), where a sentence
-    ends within a line, and where a line ends.
+    """Where a needle may go, best first (each tier with 0, where the text opens with a line
+    break): where a sentence ends a line or a paragraph ends, where a sentence ends within a line,
+    and where a line ends. The text's end is none: it is cut at an arbitrary token.
 
-    A sentence ends at ``.``, ``!`` or ``?`` followed by whitespace (not "e.g." and the like, not
-    "3.10"); a paragraph at a blank line. A line break alone is no sentence end: the haystack's
-    prose is wrapped, and a needle at a wrapped line's end makes the rest of the sentence read as
-    its continuation. Line ends serve only where a table or code holds no sentence end nearby.
+    Every place lies between a token that ends in a visible character and whitespace, so the
+    needle (which opens with a space) is set off on both sides: at a line end it closes the line
+    before the line break instead of opening the next line glued to its first word. A sentence
+    ends at ``.``, ``!`` or ``?`` (not "e.g." and the like, not "3.10"), within a line only
+    where one or two spaces follow and no "|" (not in a table cell); a paragraph at a blank line. A line break alone is no sentence end: the haystack's prose is wrapped, and a needle at
+    a wrapped line's end makes the rest of the sentence read as its continuation. Line ends serve
+    only where a table or code holds no sentence end nearby.
     """
     distinct = sorted(set(ids))
-    texts = dict(zip(distinct, tokenizer.batch_decode([[i] for i in distinct])))
-    tiers: tuple[set[int], ...] = ({0, len(ids)}, {0, len(ids)}, {0, len(ids)})
-    tail, trailing = "", ""  # the text's last characters before its trailing whitespace; that whitespace
-    for p, token in enumerate(ids):
-        text = texts[token]
-        body = text.rstrip()
-        if body:
-            tail, trailing = (tail + trailing + body)[-8:], text[len(body) :]
-        else:
-            trailing += text
-        spaced = bool(trailing) or p + 1 == len(ids) or texts[ids[p + 1]][:1].isspace()
-        sentence = tail.endswith(SENTENCE_END) and spaced and not ABBREVIATION.search(tail)
-        line = trailing.endswith("\n")
-        if (sentence and line) or (line and trailing.count("\n") >= 2):
+    decoded = dict(zip(distinct, tokenizer.batch_decode([[i] for i in distinct])))
+    texts = [decoded[i] for i in ids]
+    # the whitespace that opens the text from each token on (the question, after the end, opens with some)
+    # and the first visible character after it
+    opening, visible = [""] * len(ids) + [" "], [""] * (len(ids) + 1)
+    for p in range(len(ids) - 1, -1, -1):
+        text = texts[p]
+        body = text.lstrip()
+        lead = text[: len(text) - len(body)]
+        opening[p] = lead + opening[p + 1] if not body else lead
+        visible[p] = body[:1] or visible[p + 1]
+    tiers: tuple[set[int], ...] = ({0}, {0}, {0})
+    tail = ""  # the text's last characters
+    for p, text in enumerate(texts):
+        tail = (tail + text)[-8:]
+        gap = opening[p + 1]
+        if not text.strip() or text[-1].isspace() or not gap:
+            continue
+        sentence = tail.endswith(SENTENCE_END) and not ABBREVIATION.search(tail)
+        lines = gap.count("\n")
+        if (sentence and lines) or lines >= 2:
             tiers[0].add(p + 1)
-        elif sentence and not trailing:
+        elif sentence and len(gap) <= 2 and visible[p + 1] != "|":  # prose's spaces, not a table cell's
             tiers[1].add(p + 1)
-        if line:
+        if lines:
             tiers[2].add(p + 1)
     return tuple(sorted(tier) for tier in tiers)
 
@@ -287,7 +297,7 @@ def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intr
         raise ValueError(f"recall task {task!r}: length {length} is too short for the prompt: use at least {length - room + 1} tokens")
     if len(haystack) < room:
         raise ValueError(f"the haystack has {len(haystack)} tokens, a {length}-token {task} case needs {room}: use a longer text")
-    starts = _boundaries(tokenizer, haystack[: len(haystack) - room + 1])[0]  # a haystack opens a line
+    starts = _boundaries(tokenizer, haystack[: len(haystack) - room + 1])[0]  # it opens with a line break
     offset = rng.choice(starts) if len(starts) > 1 else 0
     offset = min(offset, len(haystack) - room)
     text = haystack[offset : offset + room]

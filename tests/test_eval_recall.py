@@ -67,7 +67,20 @@ def test_needles_sit_on_sentence_boundaries_where_the_text_has_them(tokenizer, h
     for seed in range(5):
         case = make_case(tokenizer, haystack, task="niah_single", length=1500, depth=0.5, seed=seed)
         before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        assert before.rstrip(" ").endswith((".", "!", "?", "\n")), before[-40:]  # a line end where no sentence ends near
+        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        assert before.endswith((".", "!", "?")) or after.startswith("\n"), (before[-40:], after[:20])  # a line end where no sentence ends near
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "vt", "passkey"])
+def test_a_needle_is_set_off_by_whitespace_on_both_sides(tokenizer, haystack, task):
+    """Never glued to the next word: at a line or paragraph end the needle closes the line, before its break."""
+    for seed in range(6):
+        case = make_case(tokenizer, haystack, task=task, length=1500, depth=seed / 5, seed=seed)
+        for needle in case.needles:
+            before = tokenizer.decode(case.context_ids[0, : needle.start])
+            after = tokenizer.decode(case.context_ids[0, needle.end :]) + tokenizer.decode(case.question_ids[0])
+            assert needle.text.startswith(" ") and after[:1].isspace(), (before[-30:], needle.text, after[:30])
+            assert not before[-1].isspace() or "\n" not in before[:-1], before[-30:]  # or it opens the haystack, after the intro
 
 
 def wrapped_prose(sentence: str, count: int = 700) -> torch.Tensor:
@@ -95,7 +108,18 @@ def test_without_sentence_ends_a_needle_still_splits_no_line(tokenizer):
     for depth in (0.3, 0.7):
         case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=1)
         before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        assert before.endswith("\n"), before[-30:]
+        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        assert re.search(r"\+ [a-z]+$", before) and after.startswith("\n"), (before[-30:], after[:30])
+
+
+def test_a_sentence_in_a_table_cell_is_no_place_for_a_needle(tokenizer):
+    """Inside a cell the needle would push the row's "|" out of line: it closes the row instead."""
+    haystack = wrapped_prose("| {} {}.      | {} {}. | {}. |\n")
+    for depth in (0.3, 0.7):
+        case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=2)
+        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
+        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        assert before.endswith(". |") and after.startswith("\n| "), (before[-30:], after[:30])
 
 
 @pytest.mark.parametrize("value, pattern", [("number", r"\d{7}"), ("word", r"[a-z]{4,10}"), ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")])
