@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from tiny_models import random_ids, tiny_llama
 
-from eval.benchmarks.eviction import prefill_seconds, targets
+from eval.benchmarks.eviction import greedy_answer, prefill_seconds, targets
 from eval.benchmarks.runner import Contender
 from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache
 
@@ -34,3 +35,18 @@ def test_prefill_seconds_gives_each_contender_its_median_and_ratio_to_full(one_t
     lines = targets({c.label: c for c in contenders}, [], "prefill / full @64")
     ratio = figures["knorm"]["prefill / full @64"]
     assert lines == [f"knorm prefill / full @64: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'MISSED'}, <= 1.3)"]
+
+
+def test_last_token_kept_decodes_the_prompts_last_token_from_what_was_kept(one_thread):
+    """kvpress's protocol: with every token kept it changes nothing; with a window it does (the
+    last prompt token no longer sees what the prefill evicted), and it equals doing it by hand."""
+    model, ids = tiny_llama(), random_ids(1, 48)
+    at_once = greedy_answer(model, ids, FullCache(model), 6)
+    assert torch.equal(greedy_answer(model, ids, FullCache(model), 6, last_token_kept=True), at_once)
+    cache = SlidingWindowCache(model, window=8)
+    with torch.no_grad():
+        model(ids[:, :-1], past_key_values=cache)
+        last = model(ids[:, -1:], past_key_values=cache).logits[0, -1]
+        assert not torch.allclose(last, model(ids).logits[0, -1], atol=1e-4)  # the window changed what it saw
+    kept = greedy_answer(model, ids, SlidingWindowCache(model, window=8), 6, last_token_kept=True)
+    assert kept.shape == (6,) and kept[0] == last.argmax()

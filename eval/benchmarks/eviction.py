@@ -10,7 +10,8 @@ prompt in one forward with each policy's ratio to FullCache's (the policies take
 ``--rounds`` rounds, medians; :func:`prefill_seconds`). The prefill timing alone, on one thread:
 ``--threads 1 --ppl-tokens 0 --contexts --needle-cases 0 --rounds 5``. Then the needle
 task: RULER's single needle (a 7-digit number, ``eval.recall``) in prompts of 1,024 and 2,048
-tokens with the question at the end, prefilled at once and answered greedily; exact matches and
+tokens with the question at the end, prefilled at once (or, ``--needle-protocol last-token-kept``,
+as kvpress's pipeline: all but the last token) and answered greedily; exact matches and
 the fraction of the number's digits right (position by position) for ``NEEDLE_POLICIES``.
 
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
@@ -119,8 +120,23 @@ def digits_right(answer: str, expected: str) -> float:
 
 
 @torch.no_grad()
-def needle_scores(model, tokenizer, contenders: list[Contender], cases: int, haystack: torch.Tensor) -> list[str]:
-    """Exact matches and digit accuracy of each contender over ``cases`` needle prompts."""
+def greedy_answer(model, ids: torch.Tensor, cache, new_tokens: int, last_token_kept: bool = False) -> torch.Tensor:
+    """The answer's token ids, greedy. Prefilled at once, the prompt's last token attends to every
+    prompt token, so the first answer token is the full cache's; with ``last_token_kept`` (kvpress's
+    pipeline) all but the last token are prefilled and trimmed first, and the last is decoded from
+    what was kept."""
+    if last_token_kept:
+        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids.shape[1] :]
+
+
+@torch.no_grad()
+def needle_scores(
+    model, tokenizer, contenders: list[Contender], cases: int, haystack: torch.Tensor, last_token_kept: bool = False
+) -> list[str]:
+    """Exact matches and digit accuracy of each contender over ``cases`` needle prompts
+    (``last_token_kept``: see :func:`greedy_answer`)."""
     per_length = max(1, cases // len(NEEDLE_LENGTHS))
     prompts = [
         make_case(tokenizer, haystack, "niah_single", length=length, depth=(seed + 0.5) / per_length, seed=seed)
@@ -135,8 +151,7 @@ def needle_scores(model, tokenizer, contenders: list[Contender], cases: int, hay
         for case in prompts:
             ids = torch.cat([case.context_ids, case.question_ids], dim=1).to(model.device)
             cache = c.make(model)
-            out = model.generate(ids, cache=cache, max_new_tokens=case.answer_tokens, do_sample=False)
-            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            answer = tokenizer.decode(greedy_answer(model, ids, cache, case.answer_tokens, last_token_kept), skip_special_tokens=True)
             exact[case.length] += score_answer(answer, case.expected) == 1.0
             digits.append(digits_right(answer, case.expected[0]))
             if case.length == max(NEEDLE_LENGTHS):
@@ -181,6 +196,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="*", default=list(POLICIES), help="subset of the contenders (window first)")
     parser.add_argument("--needle-specs", nargs="*", default=[], help="more needle contenders as specs, e.g. snapkv:budget=256,kernel=15")
     parser.add_argument("--needle-policies", nargs="*", default=NEEDLE_POLICIES, help="needle contenders by name (budget applied)")
+    parser.add_argument("--needle-protocol", choices=("at-once", "last-token-kept"), default="at-once", help="needle prompts prefilled at once, or all but the last token prefilled and trimmed first, the last decoded from what was kept (kvpress's pipeline)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every timing (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -206,8 +222,10 @@ def main() -> None:
         chosen = [name for name in args.needle_policies if VARIANTS.get(name, (name,))[0] in POLICIES]
         needles = [contender(name, args.budget) for name in chosen]
         needles += [Contender(spec, lambda model, spec=spec: from_spec(model, spec)) for spec in args.needle_specs]
-        print(f"\nneedle (niah_single, 7 digits, question at the end, prefilled at once), budget {args.budget}:")
-        print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack)))
+        kept = args.needle_protocol == "last-token-kept"
+        how = "all but the last token prefilled, the last decoded from what was kept" if kept else "prefilled at once"
+        print(f"\nneedle (niah_single, 7 digits, question at the end, {how}), budget {args.budget}:")
+        print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack, kept)))
 
 
 if __name__ == "__main__":
