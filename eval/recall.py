@@ -245,10 +245,11 @@ def _boundaries(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[lis
     Every place lies between a token that ends in a visible character and whitespace, so the
     needle (which opens with a space) is set off on both sides: at a line end it closes the line
     before the line break instead of opening the next line glued to its first word. A sentence
-    ends at ``.``, ``!`` or ``?`` (not "e.g." and the like, not "3.10"), within a line only
-    where one or two spaces follow and no "|" (not in a table cell); a paragraph at a blank line. A line break alone is no sentence end: the haystack's prose is wrapped, and a needle at
-    a wrapped line's end makes the rest of the sentence read as its continuation. Line ends serve
-    only where a table or code holds no sentence end nearby.
+    ends at ``.``, ``!`` or ``?`` (not "e.g." and the like, not "3.10"), within a line only where
+    one or two spaces follow and no "|" (not in a table cell); a paragraph at a blank line. A line
+    break alone is no sentence end: the haystack's prose is wrapped, and a needle at a wrapped
+    line's end makes the rest of the sentence read as its continuation. Line ends serve only where
+    a table or code holds no sentence end nearby.
     """
     distinct = sorted(set(ids))
     decoded = dict(zip(distinct, tokenizer.batch_decode([[i] for i in distinct])))
@@ -267,7 +268,7 @@ def _boundaries(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[lis
     for p, text in enumerate(texts):
         tail = (tail + text)[-8:]
         gap = opening[p + 1]
-        if not text.strip() or text[-1].isspace() or not gap:
+        if not text or text[-1].isspace() or not gap:
             continue
         sentence = tail.endswith(SENTENCE_END) and not ABBREVIATION.search(tail)
         lines = gap.count("\n")

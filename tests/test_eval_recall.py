@@ -63,11 +63,15 @@ def test_needles_land_at_the_stated_depth_and_hold_the_expected_strings(tokenize
         assert [n.depth for n in case.needles] == sorted(n.depth for n in case.needles)
 
 
+def around(tokenizer, case, needle) -> tuple[str, str]:
+    """The context's text before ``needle`` and after it."""
+    return tokenizer.decode(case.context_ids[0, : needle.start]), tokenizer.decode(case.context_ids[0, needle.end :])
+
+
 def test_needles_sit_on_sentence_boundaries_where_the_text_has_them(tokenizer, haystack):
     for seed in range(5):
         case = make_case(tokenizer, haystack, task="niah_single", length=1500, depth=0.5, seed=seed)
-        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        before, after = around(tokenizer, case, case.needles[0])
         assert before.endswith((".", "!", "?")) or after.startswith("\n"), (before[-40:], after[:20])  # a line end where no sentence ends near
 
 
@@ -77,8 +81,8 @@ def test_a_needle_is_set_off_by_whitespace_on_both_sides(tokenizer, haystack, ta
     for seed in range(6):
         case = make_case(tokenizer, haystack, task=task, length=1500, depth=seed / 5, seed=seed)
         for needle in case.needles:
-            before = tokenizer.decode(case.context_ids[0, : needle.start])
-            after = tokenizer.decode(case.context_ids[0, needle.end :]) + tokenizer.decode(case.question_ids[0])
+            before, after = around(tokenizer, case, needle)
+            after += tokenizer.decode(case.question_ids[0])
             assert needle.text.startswith(" ") and after[:1].isspace(), (before[-30:], needle.text, after[:30])
             assert not before[-1].isspace() or "\n" not in before[:-1], before[-30:]  # or it opens the haystack, after the intro
 
@@ -97,8 +101,7 @@ def test_a_wrapped_line_or_an_abbreviation_is_no_sentence_end(tokenizer):
         for depth in (0.2, 0.5, 0.8):
             case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=seed)
             needle = case.needles[0]
-            before = tokenizer.decode(case.context_ids[0, : needle.start])
-            after = tokenizer.decode(case.context_ids[0, needle.end :])
+            before, after = around(tokenizer, case, needle)
             assert before.rstrip().endswith(".") and not before.rstrip().endswith("e.g."), before[-30:]
             assert re.match(r" ?[a-z]+ [a-z]+, e\.g\.", after), after[:30]
 
@@ -107,8 +110,7 @@ def test_without_sentence_ends_a_needle_still_splits_no_line(tokenizer):
     haystack = wrapped_prose("{} = {}({}, {}) + {}\n")
     for depth in (0.3, 0.7):
         case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=1)
-        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        before, after = around(tokenizer, case, case.needles[0])
         assert re.search(r"\+ [a-z]+$", before) and after.startswith("\n"), (before[-30:], after[:30])
 
 
@@ -117,8 +119,7 @@ def test_a_sentence_in_a_table_cell_is_no_place_for_a_needle(tokenizer):
     haystack = wrapped_prose("| {} {}.      | {} {}. | {}. |\n")
     for depth in (0.3, 0.7):
         case = make_case(tokenizer, haystack, task="niah_single", length=1200, depth=depth, seed=2)
-        before = tokenizer.decode(case.context_ids[0, : case.needles[0].start])
-        after = tokenizer.decode(case.context_ids[0, case.needles[0].end :])
+        before, after = around(tokenizer, case, case.needles[0])
         assert before.endswith(". |") and after.startswith("\n| "), (before[-30:], after[:30])
 
 
