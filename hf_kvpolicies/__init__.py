@@ -1,11 +1,11 @@
 """hf-kvpolicies: pluggable KV-cache policies for Hugging Face Transformers.
 
 Two independent axes: *retention* (which tokens stay: full, window, sink, and the scored
-evictions H2O, SnapKV, TOVA, key norm) and *storage*
-(how they are held: native dtype, fp8). Every policy is a ``transformers.Cache``:
+evictions H2O, SnapKV, TOVA, key norm, KVzip) and *storage* (how they are held: native dtype,
+fp8). Every policy is a ``transformers.Cache``:
 
     cache = from_spec(model, "window:window=256")
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)
 """
 
 from .cache import PolicyCache, PolicyLayer

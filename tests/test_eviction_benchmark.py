@@ -45,8 +45,8 @@ def test_last_token_kept_decodes_the_prompts_last_token_from_what_was_kept(one_t
     assert torch.equal(greedy_answer(model, ids, FullCache(model), 6, last_token_kept=True), at_once)
     cache = SlidingWindowCache(model, window=8)
     with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)
-        last = model(ids[:, -1:], past_key_values=cache).logits[0, -1]
+        model(ids[:, :-1], cache=cache)
+        last = model(ids[:, -1:], cache=cache).logits[0, -1]
         assert not torch.allclose(last, model(ids).logits[0, -1], atol=1e-4)  # the window changed what it saw
     kept = greedy_answer(model, ids, SlidingWindowCache(model, window=8), 6, last_token_kept=True)
     assert kept.shape == (6,) and kept[0] == last.argmax()

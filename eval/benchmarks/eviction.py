@@ -126,8 +126,8 @@ def greedy_answer(model, ids: torch.Tensor, cache, new_tokens: int, last_token_k
     pipeline) all but the last token are prefilled and trimmed first, and the last is decoded from
     what was kept."""
     if last_token_kept:
-        model(ids[:, :-1], past_key_values=cache, use_cache=True)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+        model(ids[:, :-1], cache=cache, use_cache=True)
+    out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, do_sample=False)
     return out[0, ids.shape[1] :]
 
 

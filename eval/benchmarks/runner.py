@@ -89,7 +89,8 @@ def run(
             nll = streaming_nll(model, ids[:, :ppl_tokens], contender.make(model), progress=progress, desc=contender.label)
             contender.figures[f"ppl ({ppl_tokens} tok)"] = perplexity(nll)
             contender.figures["ppl after 1K"] = perplexity(nll[1000:]) if ppl_tokens > 1100 else float("nan")
-    print(table(contenders))
+    if contenders[0].figures:  # nothing to tabulate when both timing and perplexity are skipped
+        print(table(contenders))
     timed = f", {rounds} rounds x {steps} decode steps" if contexts else ""
     print(
         f"\nmodel {model_name}, text {embedded_text_version()}, torch {torch.__version__}, "
