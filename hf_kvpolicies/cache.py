@@ -73,7 +73,8 @@ class PolicyLayer(CacheLayerMixin):
     def record_past(self, value: bool) -> None:
         self.retention.record_past = value
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
+        """Keyword arguments (transformers >= 5.25 passes `recurrent_states_to_keep`) concern recurrent layers only."""
         self.host_state()
         self.retention.start_recording(self.storage)
 
@@ -322,10 +323,10 @@ class PolicyCache(Cache):
                 "for those, or generate without them"
             )
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """generate() calls this before prefill for assisted decoding: a bounded policy refuses here."""
         self._refuse_rollback()
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
         self._refuse_rollback()
