@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Iterable
 from functools import lru_cache
+from itertools import chain
 
 import psutil
 import torch
@@ -54,11 +56,31 @@ def _tensors(values) -> list[torch.Tensor]:
     return found
 
 
-def memory_in_use(device: torch.device) -> int:
-    """Bytes in use now: allocated on every visible GPU, or this process's resident set once the
-    heap has handed freed memory back (so that what an earlier run freed hides no growth)."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return sum(torch.cuda.memory_allocated(gpu) for gpu in range(torch.cuda.device_count()))
+Devices = torch.device | Iterable[torch.device]
+
+
+def model_devices(model: PreTrainedModel) -> tuple[torch.device, ...]:
+    """The devices that hold a model's weights: several with ``device_map="auto"``, where
+    ``model.device`` names only the first."""
+    return tuple(dict.fromkeys(tensor.device for tensor in chain(model.parameters(), model.buffers()))) or (model.device,)
+
+
+def cuda_indices(devices: Devices) -> list[int]:
+    """The CUDA devices among ``devices``, by index. Only these are read: touching another GPU
+    would open a CUDA context on it (hundreds of MiB), in every process of a multi-GPU launch."""
+    devices = (devices,) if isinstance(devices, torch.device) else tuple(devices)
+    if not any(device.type == "cuda" for device in devices) or not torch.cuda.is_available():
+        return []
+    return sorted({torch.cuda.current_device() if d.index is None else d.index for d in devices if d.type == "cuda"})
+
+
+def memory_in_use(devices: Devices) -> int:
+    """Bytes in use now: allocated on the GPUs among ``devices`` (see :func:`model_devices`), or,
+    where there are none, this process's resident set once the heap has handed freed memory back
+    (so that what an earlier run freed hides no growth)."""
+    gpus = cuda_indices(devices)
+    if gpus:
+        return sum(torch.cuda.memory_allocated(gpu) for gpu in gpus)
     _trim_heap()
     return _rss()
 
@@ -85,17 +107,17 @@ def _trim_heap() -> None:
 class PeakMemory:
     """Peak memory over a block, above ``since`` (default: the memory in use as the block starts).
 
-    CUDA: ``max_memory_allocated`` summed over the visible GPUs (a model spread with
-    ``device_map="auto"``); the statistics are this process's own, so the other processes of
-    a launch do not add to them. CPU: the highest RSS seen by :meth:`sample` (call it after
-    each forward) or at the block's ends.
+    CUDA: ``max_memory_allocated`` summed over the GPUs among ``devices`` (all that hold a model
+    spread with ``device_map="auto"``: pass :func:`model_devices`); the statistics are this
+    process's own, so the other processes of a launch do not add to them. CPU: the highest RSS
+    seen by :meth:`sample` (call it after each forward) or at the block's ends.
     """
 
-    def __init__(self, device: torch.device, since: int | None = None) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+    def __init__(self, devices: Devices, since: int | None = None) -> None:
+        self.devices = (devices,) if isinstance(devices, torch.device) else tuple(devices)
+        self._gpus = cuda_indices(devices)
+        self.cuda = bool(self._gpus)
         self.source = "cuda max_memory_allocated" if self.cuda else "sampled RSS"
-        self._gpus = range(torch.cuda.device_count()) if self.cuda else range(0)
         self._since = since
         self._start = 0
         self._peak = 0
@@ -104,7 +126,7 @@ class PeakMemory:
         for gpu in self._gpus:
             torch.cuda.synchronize(gpu)
             torch.cuda.reset_peak_memory_stats(gpu)
-        now = memory_in_use(self.device)
+        now = memory_in_use(self.devices)
         self._start = now if self._since is None else self._since
         self._peak = now
         return self
@@ -135,7 +157,7 @@ def decode_peak(model: PreTrainedModel, cache: Cache, token: torch.Tensor, steps
     Measured while decoding, one token per forward, so that every policy is measured alike
     whatever its stream was fed with (a chunked forward's activations would dwarf the cache).
     """
-    with PeakMemory(model.device, since=since) as peak:
+    with PeakMemory(model_devices(model), since=since) as peak:
         token = token.to(model.device)
         for _ in range(steps):
             logits = model(token, cache=cache, use_cache=True).logits

@@ -26,7 +26,7 @@ from hf_kvpolicies.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model
 
 from .budgets import PolicyRun, expand
 from .data import EMBEDDED_TEXT, DataError, load_text, tokenize
-from .memory import MemoryTrace, decode_peak, memory_in_use
+from .memory import MemoryTrace, decode_peak, memory_in_use, model_devices
 from .perplexity import curve, perplexity, streaming_nll
 from .records import RESULTS, append_record, environment, identity, locked, read_records
 from .report import write_report
@@ -339,7 +339,7 @@ def _measure(settings, model, tokenizer, ids, case_of, samples, unit):
         cache = make()
         chunk, approximate = resolve_chunk(cache, model, settings.chunk_size)
         stream = ids[:, : settings.tokens]
-        before = memory_in_use(model.device)
+        before = memory_in_use(model_devices(model))
         trace = MemoryTrace(cache, stride=max(1, settings.tokens // 64))
         nll = streaming_nll(
             model, stream, cache, progress=settings.progress, desc=desc, chunk_size=chunk, observer=trace.observe

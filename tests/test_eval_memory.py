@@ -7,7 +7,7 @@ import torch
 from tiny_models import random_ids, tiny_llama
 from transformers import DynamicCache
 
-from eval.memory import MemoryTrace, PeakMemory, decode_peak, footprint, memory_in_use
+from eval.memory import MemoryTrace, PeakMemory, cuda_indices, decode_peak, footprint, memory_in_use, model_devices
 from eval.perplexity import streaming_nll
 from hf_kvpolicies import FullCache, SlidingWindowCache
 
@@ -104,3 +104,20 @@ def test_bytes_held_count_the_tokens_kept_and_not_the_capacity():
     payload = 2 * 2 * (16 + 1)  # an fp8 byte per element and an E8M0 scale byte, keys and values, 2 heads
     residual = 8 * 2 * (2 * 16 * 4 + 8)  # 8 native tokens per head and the slot each shadows
     assert held_bytes(cache) == 2 * (300 * payload + residual)
+
+
+def test_model_devices_names_every_device_that_holds_weights():
+    model = tiny_llama()
+    assert model_devices(model) == (torch.device("cpu"),)
+    model.model.layers[1].to("meta")  # a model spread over devices, as device_map="auto" spreads one
+    assert model_devices(model) == (torch.device("cpu"), torch.device("meta"))
+
+
+def test_memory_is_read_on_the_models_gpus_only(monkeypatch):
+    """Reading another GPU would open a CUDA context on it in every process of a launch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    devices = [torch.device("cpu"), torch.device("cuda", 2), torch.device("cuda", 0), torch.device("cuda", 2)]
+    assert cuda_indices(devices) == [0, 2]
+    assert cuda_indices(torch.device("cuda", 1)) == [1]
+    assert cuda_indices(torch.device("cpu")) == []
+    assert cuda_indices([torch.device("cpu"), torch.device("meta")]) == []
