@@ -65,17 +65,25 @@ def check_dataset(name: str) -> str:
     return name
 
 
-def load_text(dataset: str = EMBEDDED_TEXT, text_file: str | Path | None = None) -> tuple[str, str]:
-    """``(text, label)``: the text of ``text_file`` when given, else of the named dataset.
-
-    The label says where the text came from (it goes into every result record).
-    """
+def text_label(dataset: str = EMBEDDED_TEXT, text_file: str | Path | None = None) -> str:
+    """Where :func:`load_text` takes the text from (it goes into every result record), read
+    without loading it, so that a sweep with nothing left to run loads nothing."""
     if text_file is not None:
-        path = Path(text_file)
-        return _local_text(path), f"file:{path.resolve()}"
+        return f"file:{Path(text_file).resolve()}"
     check_dataset(dataset)
     if dataset == EMBEDDED_TEXT:
-        return embedded_text(), embedded_text_version()
+        return embedded_text_version()
+    return f"{dataset}: {HUB_DATASETS[dataset].describe()}"
+
+
+def load_text(dataset: str = EMBEDDED_TEXT, text_file: str | Path | None = None) -> tuple[str, str]:
+    """``(text, label)``: the text of ``text_file`` when given, else of the named dataset, and
+    :func:`text_label`."""
+    label = text_label(dataset, text_file)
+    if text_file is not None:
+        return _local_text(Path(text_file)), label
+    if dataset == EMBEDDED_TEXT:
+        return embedded_text(), label
     source = HUB_DATASETS[dataset]
     try:
         rows = _load(source.path, source.config, split=source.split)
@@ -84,7 +92,7 @@ def load_text(dataset: str = EMBEDDED_TEXT, text_file: str | Path | None = None)
             f"cannot load dataset {dataset!r} ({source.describe()}) from the Hugging Face Hub "
             f"({type(error).__name__}: {_first_line(error)}); with no Hub access, pass a local file with --text-file PATH"
         ) from error
-    return source.separator.join(rows[source.column]), f"{dataset}: {source.describe()}"
+    return source.separator.join(rows[source.column]), label
 
 
 def _local_text(path: Path) -> str:

@@ -25,7 +25,7 @@ from hf_kvpolicies.cache import PolicyCache
 from hf_kvpolicies.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model
 
 from .budgets import PolicyRun, expand
-from .data import EMBEDDED_TEXT, DataError, load_text, tokenize
+from .data import EMBEDDED_TEXT, DataError, load_text, text_label, tokenize
 from .memory import MemoryTrace, decode_peak, memory_in_use, model_devices
 from .perplexity import curve, perplexity, streaming_nll
 from .records import RESULTS, append_record, environment, identity, locked, read_records
@@ -205,12 +205,11 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
         device = state.device
     dtype = resolve_dtype(settings.dtype, device)
     if is_qa_dataset(settings.dataset):
-        samples = load_samples(settings.dataset, settings.qa_samples)
-        text, dataset = "\n\n".join(sample["context"] for sample in samples), describe(settings.dataset)
+        dataset = describe(settings.dataset)
     else:
         if "qa" in tasks:
             raise UsageError("--task qa needs a QA --dataset: longbench:SUBSET or a JSONL file of {context, input, answers}")
-        samples, (text, dataset) = [], load_text(settings.dataset, settings.text_file)
+        dataset = text_label(settings.dataset, settings.text_file)
     base = {
         "model": settings.model,
         "gguf_file": settings.gguf_file,
@@ -227,7 +226,7 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
     units = _units(pending)
     sweep.ran = [job for unit in units[state.process_index :: state.num_processes] for job in unit]
     if sweep.ran:
-        _run_jobs(settings, sweep.ran, base, device, dtype, text, samples, results)
+        _run_jobs(settings, sweep.ran, base, device, dtype, *_inputs(settings), results)
     with locked(results):
         records = read_records(results)
         have = {identity(record) for record in records}
@@ -235,6 +234,14 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
         if sweep.complete:
             sweep.table = write_report(settings.out, records)
     return sweep
+
+
+def _inputs(settings: Settings) -> tuple[str, list[dict]]:
+    """``(text, QA samples)``: loaded only by a process with runs to do."""
+    if is_qa_dataset(settings.dataset):
+        samples = load_samples(settings.dataset, settings.qa_samples)
+        return "\n\n".join(sample["context"] for sample in samples), samples
+    return load_text(settings.dataset, settings.text_file)[0], []
 
 
 def _units(jobs: list[Job]) -> list[list[Job]]:

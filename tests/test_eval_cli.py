@@ -95,11 +95,13 @@ def test_report_rerenders_identical_tables(sweep):
     assert sorted(path.name for path in out.glob("*.png")) == pictures
 
 
-def test_resume_skips_finished_runs(sweep, capsys):
+def test_resume_skips_finished_runs(sweep, capsys, monkeypatch):
     out, args = sweep
     before = (out / RESULTS).read_text().splitlines()
     capsys.readouterr()
-    assert cli(*args) == 0
+    with monkeypatch.context() as patch:  # with nothing left to run, the text is not even loaded
+        patch.setattr(sweep_module, "load_text", lambda *_: pytest.fail("a complete sweep loaded its text"))
+        assert cli(*args) == 0
     assert (out / RESULTS).read_text().splitlines() == before  # nothing ran again
     assert "ppl" not in capsys.readouterr().err
     (out / RESULTS).write_text("\n".join(before[:-2]) + "\n")  # as if interrupted before the last two runs

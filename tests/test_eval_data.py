@@ -6,7 +6,7 @@ import pytest
 from tiny_models import char_tokenizer
 
 import eval.data as data
-from eval.data import DataError, embedded_text, load_text, tokenize
+from eval.data import DataError, embedded_text, load_text, text_label, tokenize
 
 
 def test_a_text_file_loads_through_datasets_whole(tmp_path):
@@ -14,7 +14,7 @@ def test_a_text_file_loads_through_datasets_whole(tmp_path):
     path.write_text("First line.\n\nSecond paragraph, with a comma.\nThird line.\n", encoding="utf-8")
     text, label = load_text(text_file=path)
     assert text == path.read_text(encoding="utf-8")
-    assert label == f"file:{path.resolve()}"
+    assert label == f"file:{path.resolve()}" == text_label(text_file=path)
 
 
 def test_missing_or_empty_text_files_name_the_fix(tmp_path):
@@ -44,7 +44,7 @@ def test_hub_datasets_are_joined_documents(monkeypatch):
 
     monkeypatch.setattr(data, "_load", fake)
     text, label = load_text("pg19")
-    assert text == "a book\n\nanother book" and label.startswith("pg19")
+    assert text == "a book\n\nanother book" and label.startswith("pg19") and label == text_label("pg19")
     assert calls == [("emozilla/pg19-test", None, {"split": "test"})]
     load_text("wikitext2")
     assert calls[-1] == ("Salesforce/wikitext", "wikitext-2-raw-v1", {"split": "test"})
