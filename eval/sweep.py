@@ -353,7 +353,7 @@ def _measure(settings, model, tokenizer, ids, case_of, samples, unit):
         )
         trace.finish(stream.shape[1] - 1)
         elapsed = time.perf_counter() - start
-        kept = cache.stored_tokens(cache.first_policy_layer) if isinstance(cache, PolicyCache) else None
+        kept = cache.stored_tokens() if isinstance(cache, PolicyCache) else None
         common = {
             **fields, "tokens": stream.shape[1], "chunk_size": chunk, "approximate": approximate, "elapsed_s": elapsed,
             "kept_tokens": kept, "kept_fraction": None if kept is None else kept / (stream.shape[1] - 1),

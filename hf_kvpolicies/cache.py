@@ -353,9 +353,10 @@ class PolicyCache(Cache):
         """
         return sum(layer.storage.nbytes + layer.retention.state_nbytes for layer in self.layers)
 
-    def stored_tokens(self, layer_idx: int = 0) -> int:
-        """Tokens currently kept by a layer (``get_seq_length`` counts every token seen)."""
-        layer = self.layers[layer_idx]
+    def stored_tokens(self, layer_idx: int | None = None) -> int:
+        """Tokens currently kept by a layer, by default the first the policy governs (``get_seq_length``
+        counts every token seen; a hybrid model's own sliding layers keep its window whatever the policy)."""
+        layer = self.layers[self.first_policy_layer if layer_idx is None else layer_idx]
         if layer.retention.stale:
             layer.host_state()
         return layer.retention.stored

@@ -107,6 +107,15 @@ def test_first_policy_layer_skips_the_models_own_sliding_layers():
     assert FullCache(tiny_gemma3(layer_types=["sliding_attention"] * 3)).first_policy_layer == 0
 
 
+def test_stored_tokens_reads_the_first_governed_layer_by_default():
+    model = tiny_gemma3()  # layers 0 and 1 slide with the model window of 8
+    cache = FullCache(model)
+    with torch.no_grad():
+        model(random_ids(1, 20), cache=cache)
+    assert cache.stored_tokens() == cache.stored_tokens(2) == 20
+    assert cache.stored_tokens(0) == 7  # the sliding layer keeps the model window (8) less one, as DynamicCache does
+
+
 def test_governed_layers_counts_the_layers_the_policy_decides():
     assert FullCache(tiny_llama()).governed_layers == len(tiny_llama().model.layers)
     assert FullCache(tiny_gemma3()).governed_layers == 1  # layers 0 and 1 slide with the model window
