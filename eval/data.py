@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hf_kvpolicies.special_tokens import start_ids
+
 EMBEDDED_TEXT = "pydoc"
 
 
@@ -122,18 +124,22 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else "no message"
 
 
-def tokenize(tokenizer: PreTrainedTokenizerBase, text: str, count: int | None = None) -> torch.Tensor:
-    """``[1, count]`` token ids of ``text`` (all of it when ``count`` is None).
+def tokenize(tokenizer: PreTrainedTokenizerBase, text: str, count: int | None = None, start: bool = True) -> torch.Tensor:
+    """``[1, count]`` token ids of ``text`` (all of it when ``count`` is None), opening with the
+    tokenizer's :func:`start_ids` (counted in ``count``) unless ``start=False`` (a haystack that
+    is cut into prompts, not a model input itself).
 
     For a count, a prefix of the text is tried first: tokenizing a whole book to use its
     first thousand tokens would cost more than the evaluation.
     """
+    opening = torch.tensor([start_ids(tokenizer) if start else []], dtype=torch.long)
     if count is not None:
-        prefix = text[: 8 * count + 1024]
+        wanted = count - opening.shape[1]
+        prefix = text[: 8 * wanted + 1024]
         ids = tokenizer(prefix, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] < count + 64 and len(prefix) < len(text):  # the cut must stay clear of the tokens kept
+        if ids.shape[1] < wanted + 64 and len(prefix) < len(text):  # the cut must stay clear of the tokens kept
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] < count:
-            raise DataError(f"the text has {ids.shape[1]} tokens, fewer than the {count} asked for")
-        return ids[:, :count]
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        if ids.shape[1] < wanted:
+            raise DataError(f"the text has {ids.shape[1]} tokens, fewer than the {wanted} asked for")
+        return torch.cat([opening, ids[:, :wanted]], dim=1)
+    return torch.cat([opening, tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids], dim=1)

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hf_kvpolicies.special_tokens import start_ids
+
 from .data import DataError, _first_line, _load
 
 LONGBENCH = "THUDM/LongBench"
@@ -76,12 +78,13 @@ def make_qa_case(tokenizer: PreTrainedTokenizerBase, sample: dict, index: int, m
     """One sample as a prompt of at most ``max_tokens`` tokens (the document's middle cut if needed)."""
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     question = encode(QUESTION_TEMPLATE.format(input=sample["input"]))
-    context = encode(CONTEXT_TEMPLATE.format(context=sample["context"]))
-    room = max_tokens - len(question)
+    opening, context = start_ids(tokenizer), encode(CONTEXT_TEMPLATE.format(context=sample["context"]))
+    room = max_tokens - len(question) - len(opening)
     if room < 16:
         raise DataError(f"QA sample {index}: its question alone takes {len(question)} tokens: raise --qa-max-tokens")
     if len(context) > room:
         context = context[: room // 2] + context[len(context) - (room - room // 2) :]
+    context = opening + context
     longest = max(len(encode(" " + answer)) for answer in sample["answers"])
     return QACase(index, torch.tensor([context]), torch.tensor([question]), sample["answers"], longest + 4)
 

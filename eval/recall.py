@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hf_kvpolicies.special_tokens import start_ids
+
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "passkey")
 OPTIONS: dict[str, dict[str, object]] = {
     "niah_single": {"value": "number"},
@@ -291,7 +293,7 @@ def _snap(target: int, tiers: tuple[list[int], ...]) -> int:
 
 
 def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intro, needles, question, expected) -> RecallCase:
-    intro_ids, question_ids = _encode(tokenizer, intro), _encode(tokenizer, question)
+    intro_ids, question_ids = start_ids(tokenizer) + _encode(tokenizer, intro), _encode(tokenizer, question)
     needle_ids = [_encode(tokenizer, sentence) for sentence, _ in needles]
     room = length - len(intro_ids) - len(question_ids) - sum(map(len, needle_ids))
     if room < 1:
@@ -336,7 +338,7 @@ def _cwe(tokenizer, haystack, words, length, depth, seed, options, rng) -> Recal
     """
     count = options["words"]
     question_ids = _encode(tokenizer, CWE_QUESTION.format(count=count))
-    intro_ids = _encode(tokenizer, CWE_INTRO)
+    intro_ids = start_ids(tokenizer) + _encode(tokenizer, CWE_INTRO)
     drawn = rng.sample(words, len(words))
     common, rare = drawn[:count], drawn[count:]
     room = length - len(intro_ids) - len(question_ids)

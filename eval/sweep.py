@@ -527,9 +527,9 @@ def _ids(settings: Settings, tokenizer, text: str, tasks: set[str]) -> torch.Ten
 def _haystack(settings: Settings, tokenizer, text: str) -> torch.Tensor:
     """The recall suite's haystack: enough of the text for seeds to start at different places."""
     try:
-        return tokenize(tokenizer, text, max(4 * max(settings.lengths), 20_000))
+        return tokenize(tokenizer, text, max(4 * max(settings.lengths), 20_000), start=False)
     except DataError:
-        return tokenize(tokenizer, text)
+        return tokenize(tokenizer, text, start=False)
 
 
 def _case(tokenizer, haystack, task: str, length: int, depth: float, seed: int):

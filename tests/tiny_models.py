@@ -100,9 +100,10 @@ def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
-def char_tokenizer():
-    """A character-level tokenizer whose ids fit the tiny models' vocabulary (``VOCAB``)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def char_tokenizer(bos: bool = False):
+    """A character-level tokenizer whose ids fit the tiny models' vocabulary (``VOCAB``); with
+    ``bos``, ``tokenizer(text)`` opens with ``<s>`` (id 1), as Gemma's and Llama's do."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
@@ -112,6 +113,8 @@ def char_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )

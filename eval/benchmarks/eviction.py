@@ -218,7 +218,7 @@ def main() -> None:
     if {"window", "full"} <= set(names):
         print("\n" + "\n".join(targets(results, contexts if args.steps else [], column)))
     if args.needle_cases:
-        haystack = tokenize(tokenizer, embedded_text()[-200_000:])
+        haystack = tokenize(tokenizer, embedded_text()[-200_000:], start=False)
         chosen = [name for name in args.needle_policies if VARIANTS.get(name, (name,))[0] in POLICIES]
         needles = [contender(name, args.budget) for name in chosen]
         needles += [Contender(spec, lambda model, spec=spec: from_spec(model, spec)) for spec in args.needle_specs]
