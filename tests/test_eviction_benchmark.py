@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tiny_models import random_ids, tiny_llama
 
-from eval.benchmarks.eviction import greedy_answer, prefill_seconds, targets
+from eval.benchmarks.eviction import beside_full, greedy_answer, prefill_seconds, targets
 from eval.benchmarks.runner import Contender
 from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache
 
@@ -50,3 +50,9 @@ def test_last_token_kept_decodes_the_prompts_last_token_from_what_was_kept(one_t
         assert not torch.allclose(last, model(ids).logits[0, -1], atol=1e-4)  # the window changed what it saw
     kept = greedy_answer(model, ids, SlidingWindowCache(model, window=8), 6, last_token_kept=True)
     assert kept.shape == (6,) and kept[0] == last.argmax()
+
+
+def test_beside_full_counts_the_full_caches_needles_found_and_the_others():
+    assert beside_full({0, 1, 3}, {0, 1, 2}) == "2/3 +1"
+    assert beside_full({0, 1, 2}, {0, 1, 2}) == "3/3"
+    assert beside_full(set(), set()) == "0/0"

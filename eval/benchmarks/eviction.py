@@ -136,29 +136,43 @@ def needle_scores(
     model, tokenizer, contenders: list[Contender], cases: int, haystack: torch.Tensor, last_token_kept: bool = False
 ) -> list[str]:
     """Exact matches and digit accuracy of each contender over ``cases`` needle prompts
-    (``last_token_kept``: see :func:`greedy_answer`)."""
+    (``last_token_kept``: see :func:`greedy_answer`); with ``full`` among the contenders, how many
+    of the needles the full cache finds each one finds too (:func:`beside_full`)."""
     per_length = max(1, cases // len(NEEDLE_LENGTHS))
     prompts = [
         make_case(tokenizer, haystack, "niah_single", length=length, depth=(seed + 0.5) / per_length, seed=seed)
         for length in NEEDLE_LENGTHS
         for seed in range(per_length)
     ]
-    header = [f"exact @{n}" for n in NEEDLE_LENGTHS] + ["digits right", f"MiB held @{max(NEEDLE_LENGTHS)}"]
-    lines = ["| policy | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    rows: list[tuple[str, set[int], list[str]]] = []
     for c in contenders:
-        exact = {n: 0 for n in NEEDLE_LENGTHS}
-        digits, held = [], 0
-        for case in prompts:
+        found, digits, held = set(), [], 0
+        for index, case in enumerate(prompts):
             ids = torch.cat([case.context_ids, case.question_ids], dim=1).to(model.device)
             cache = c.make(model)
             answer = tokenizer.decode(greedy_answer(model, ids, cache, case.answer_tokens, last_token_kept), skip_special_tokens=True)
-            exact[case.length] += score_answer(answer, case.expected) == 1.0
+            if score_answer(answer, case.expected) == 1.0:
+                found.add(index)
             digits.append(digits_right(answer, case.expected[0]))
             if case.length == max(NEEDLE_LENGTHS):
                 held = max(held, held_bytes(cache) or 0)
-        cells = [f"{exact[n]}/{per_length}" for n in NEEDLE_LENGTHS] + [f"{100 * statistics.mean(digits):.0f}%", f"{held / 2**20:.2f}"]
-        lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+        exact = [sum(prompts[i].length == n for i in found) for n in NEEDLE_LENGTHS]
+        cells = [f"{e}/{per_length}" for e in exact] + [f"{100 * statistics.mean(digits):.0f}%", f"{held / 2**20:.2f}"]
+        rows.append((c.label, found, cells))
+    full = next((found for label, found, _ in rows if label == "full"), None)
+    header = [f"exact @{n}" for n in NEEDLE_LENGTHS] + ["digits right", f"MiB held @{max(NEEDLE_LENGTHS)}"]
+    header += [] if full is None else ["of full's found (+ others)"]
+    lines = ["| policy | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+    for label, found, cells in rows:
+        lines.append(f"| {label} | " + " | ".join(cells + ([] if full is None else [beside_full(found, full)])) + " |")
     return lines
+
+
+def beside_full(found: set[int], full: set[int]) -> str:
+    """``"34/35 +1"``: of the needles the full cache finds, how many a policy finds too, and how
+    many it finds that the full cache misses (eviction can remove a distractor)."""
+    others = len(found - full)
+    return f"{len(found & full)}/{len(full)}" + (f" +{others}" if others else "")
 
 
 def targets(results: dict[str, Contender], contexts: list[int], prefill_column: str | None) -> list[str]:
