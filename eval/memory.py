@@ -115,7 +115,7 @@ class PeakMemory:
 
     def __init__(self, devices: Devices, since: int | None = None) -> None:
         self.devices = (devices,) if isinstance(devices, torch.device) else tuple(devices)
-        self._gpus = cuda_indices(devices)
+        self._gpus = cuda_indices(self.devices)
         self.cuda = bool(self._gpus)
         self.source = "cuda max_memory_allocated" if self.cuda else "sampled RSS"
         self._since = since

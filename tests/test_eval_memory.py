@@ -121,3 +121,5 @@ def test_memory_is_read_on_the_models_gpus_only(monkeypatch):
     assert cuda_indices(torch.device("cuda", 1)) == [1]
     assert cuda_indices(torch.device("cpu")) == []
     assert cuda_indices([torch.device("cpu"), torch.device("meta")]) == []
+    peak = PeakMemory(device for device in devices)  # a generator is read once, for both uses
+    assert peak.cuda and peak._gpus == [0, 2] and len(peak.devices) == 4
