@@ -65,10 +65,15 @@ def model_devices(model: PreTrainedModel) -> tuple[torch.device, ...]:
     return tuple(dict.fromkeys(tensor.device for tensor in chain(model.parameters(), model.buffers()))) or (model.device,)
 
 
+def _device_tuple(devices: Devices) -> tuple[torch.device, ...]:
+    """``devices`` as a tuple (one device, or an iterable read once)."""
+    return (devices,) if isinstance(devices, torch.device) else tuple(devices)
+
+
 def cuda_indices(devices: Devices) -> list[int]:
     """The CUDA devices among ``devices``, by index. Only these are read: touching another GPU
     would open a CUDA context on it (hundreds of MiB), in every process of a multi-GPU launch."""
-    devices = (devices,) if isinstance(devices, torch.device) else tuple(devices)
+    devices = _device_tuple(devices)
     if not any(device.type == "cuda" for device in devices) or not torch.cuda.is_available():
         return []
     return sorted({torch.cuda.current_device() if d.index is None else d.index for d in devices if d.type == "cuda"})
@@ -114,7 +119,7 @@ class PeakMemory:
     """
 
     def __init__(self, devices: Devices, since: int | None = None) -> None:
-        self.devices = (devices,) if isinstance(devices, torch.device) else tuple(devices)
+        self.devices = _device_tuple(devices)
         self._gpus = cuda_indices(self.devices)
         self.cuda = bool(self._gpus)
         self.source = "cuda max_memory_allocated" if self.cuda else "sampled RSS"
