@@ -19,7 +19,9 @@ in an answer prefix (the model only has to continue it). Tasks:
 ``length`` counts the tokens of the whole prompt (context plus question), as RULER does. The
 needles asked for sit at ``depth`` (0 = start of the haystack, 1 = end); distractors sit at
 seeded random depths. A seed picks the values, the keys and where in the text the haystack
-starts, so seeds give independent samples for confidence intervals.
+starts, so seeds give independent samples for confidence intervals. Keys (and word values) are
+RULER's ``adjective-noun`` pairs, drawn from a built-in list of words the haystack lacks
+(:mod:`eval.key_words`), so no key is also quoted elsewhere in the text.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from hf_kvpolicies.special_tokens import start_ids
+
+from .key_words import absent_words
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "passkey")
 OPTIONS: dict[str, dict[str, object]] = {
@@ -169,15 +173,16 @@ def make_case(
     options = task_options(task, options)
     rng = random.Random(f"recall:{task}:{sorted(options.items())}:{seed}:{length}:{depth:.6f}")
     haystack = haystack_ids.reshape(-1).tolist()
-    words = _words(tokenizer, haystack)
     if task == "cwe":
-        return _cwe(tokenizer, haystack, words, length, depth, seed, options, rng)
-    intro, needles, question, expected = _needle_task(task, options, words, rng)
+        return _cwe(tokenizer, haystack, _words(tokenizer, haystack), length, depth, seed, options, rng)
+    key_words = absent_words(tokenizer.decode(haystack)) if task.startswith("niah") else ([], [])
+    intro, needles, question, expected = _needle_task(task, options, key_words, rng)
     return _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intro, needles, question, expected)
 
 
-def _needle_task(task: str, options: dict, words: list[str], rng: random.Random):
-    """``(intro, [(sentence, depth or None = random)], question, expected)`` of a needle task."""
+def _needle_task(task: str, options: dict, key_words: tuple[list[str], list[str]], rng: random.Random):
+    """``(intro, [(sentence, depth or None = random)], question, expected)`` of a needle task;
+    niah keys (and word values) are ``adjective-noun`` pairs of ``key_words``, as RULER's are."""
     if task == "passkey":
         key = str(rng.randrange(10_000, 100_000))
         return PASSKEY_INTRO, [(PASSKEY_NEEDLE.format(key=key), "asked")], PASSKEY_QUESTION, (key,)
@@ -190,8 +195,10 @@ def _needle_task(task: str, options: dict, words: list[str], rng: random.Random)
         return VT_INTRO, [(sentence, ("chain", i, len(chain))) for i, sentence in enumerate(chain)], question, tuple(names)
     singular, plural = VALUE_TYPES[options["value"]]
     needles = options.get("keys") or options.get("values") or options.get("queries") or 1
-    keys = _distinct(rng, lambda: f"{rng.choice(words)}-{rng.choice(words)}", needles)
-    values = _distinct(rng, lambda: _value(options["value"], words, rng), needles)
+    adjectives, nouns = key_words
+    pairs = _distinct(rng, lambda: f"{rng.choice(adjectives)}-{rng.choice(nouns)}", 2 * needles)
+    keys = pairs[:needles]
+    values = pairs[needles:] if options["value"] == "word" else _distinct(rng, lambda: _value(options["value"], rng), needles)
     if task == "niah_multivalue":
         keys = [keys[0]] * needles
     asked = {"niah_single": 1, "niah_multikey": 1}.get(task, needles)
@@ -205,12 +212,10 @@ def _needle_task(task: str, options: dict, words: list[str], rng: random.Random)
     return NIAH_INTRO.format(plural=plural), sentences, question, tuple(values[:asked])
 
 
-def _value(kind: str, words: list[str], rng: random.Random) -> str:
+def _value(kind: str, rng: random.Random) -> str:
     if kind == "number":
         return str(rng.randrange(1_000_000, 10_000_000))
-    if kind == "uuid":
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    return rng.choice(words)
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
 def _distinct(rng: random.Random, draw, count: int) -> list[str]:
@@ -222,7 +227,7 @@ def _distinct(rng: random.Random, draw, count: int) -> list[str]:
         if item not in found:
             found.append(item)
     if len(found) < count:
-        raise ValueError(f"cannot draw {count} distinct items from the haystack's words: use a longer text")
+        raise ValueError(f"cannot draw {count} distinct items: ask for fewer needles")
     return found
 
 

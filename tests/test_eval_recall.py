@@ -13,6 +13,7 @@ import torch
 from tiny_models import char_tokenizer
 
 from eval.data import embedded_text, tokenize
+from eval.key_words import ADJECTIVES, MINIMUM, NOUNS, absent_words
 from eval.recall import SNAP, TASKS, make_case, parse_task, score_answer
 
 NEEDLE_TASKS = [task for task in TASKS if task != "cwe"]
@@ -123,7 +124,7 @@ def test_a_sentence_in_a_table_cell_is_no_place_for_a_needle(tokenizer):
         assert before.endswith(". |") and after.startswith("\n| "), (before[-30:], after[:30])
 
 
-@pytest.mark.parametrize("value, pattern", [("number", r"\d{7}"), ("word", r"[a-z]{4,10}"), ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")])
+@pytest.mark.parametrize("value, pattern", [("number", r"\d{7}"), ("word", r"[a-z]+-[a-z]+"), ("uuid", r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")])
 def test_value_types(tokenizer, haystack, value, pattern):
     case = make_case(tokenizer, haystack, task="niah_single", length=1200, seed=0, value=value)
     assert re.fullmatch(pattern, case.expected[0])
@@ -144,6 +145,35 @@ def test_multi_needle_tasks_have_their_counts(tokenizer, haystack):
     assert len(vt.expected) == 4 and vt.needles[0].text.endswith(tokenizer.decode(vt.question_ids[0]).split("value ")[1].split(" ")[0] + ".")
     for before, after in zip(vt.needles, vt.needles[1:]):  # each link assigns the variable before it
         assert after.text.endswith(re.search(r"VAR (\w+) =", before.text).group(1) + ".")
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multiquery"])
+def test_keys_are_adjective_noun_pairs_of_words_the_haystack_lacks(tokenizer, task):
+    planted = "An Eager otter met a golden penguin. "  # key words in the text are never drawn
+    haystack = tokenize(tokenizer, planted * 3 + embedded_text()[:40_000], start=False)
+    text = tokenizer.decode(haystack[0]).lower()
+    adjectives = [word for word in ADJECTIVES if re.search(rf"\b{word}\b", text) is None]
+    nouns = [word for word in NOUNS if re.search(rf"\b{word}\b", text) is None]
+    assert {"eager", "golden"}.isdisjoint(adjectives) and {"otter", "penguin"}.isdisjoint(nouns)
+    assert absent_words(text) == (adjectives, nouns)
+    keys = set()
+    for seed in range(6):
+        case = make_case(tokenizer, haystack, task=task, length=1200, seed=seed, value="word")
+        for needle in case.needles:
+            key, value = re.search(r"for (\S+) is: (\S+)\.", needle.text).groups()
+            for pair in (key, value):
+                adjective, noun = pair.split("-")
+                assert adjective in adjectives and noun in nouns, pair
+            assert key != value
+            keys.add(key)
+    assert len(keys) >= 6  # drawn, not fixed
+
+
+def test_a_text_holding_the_key_words_is_refused_by_name(tokenizer):
+    text = " ".join(ADJECTIVES[: len(ADJECTIVES) - MINIMUM + 1] + NOUNS) + ". Plain prose follows here. " * 400
+    assert absent_words(" ".join(ADJECTIVES[:-MINIMUM] + NOUNS[:-MINIMUM])) == (list(ADJECTIVES[-MINIMUM:]), list(NOUNS[-MINIMUM:]))
+    with pytest.raises(ValueError, match="key adjectives .* use another text"):
+        make_case(tokenizer, tokenize(tokenizer, text, start=False), task="niah_single", length=600)
 
 
 def test_common_words_are_exactly_the_most_frequent(tokenizer, haystack):
