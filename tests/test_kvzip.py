@@ -22,16 +22,18 @@ BUDGET, RECENT = 10, 3
 class KVzipRule:
     """For :func:`test_scored.naive_eviction`: the first forward's tokens carry their reconstruction
     scores (``reconstruction[layer]``, from eager attention in :func:`reference_scores`); after
-    that a token's score is the largest attention any later query gave it; ``recent`` protected.
-    ``naive_eviction`` observes the layers in order, so the first forward's calls take the layers'
+    that a token's score is the largest attention any later query gave it; of the tokens after the
+    prompt, the ``recent`` newest are protected (``protected_from``). ``naive_eviction`` observes the layers in order, so the first forward's calls take the layers'
     scores one after the other."""
 
     def __init__(self, budget: int, recent: int, reconstruction: list[torch.Tensor]):
         self.budget, self.protected = budget, recent
         self.first = iter(reconstruction)
+        self.protected_from = 0
 
     def observe(self, state, attention, keys, start, stop):
         if start == 0:
+            self.protected_from = stop  # the prompt's tokens are ranked by their reconstruction alone
             scores = next(self.first)
             state["score"] = torch.zeros(*scores.shape[:2], attention.shape[-1])
             state["score"][..., :stop] = scores
@@ -103,8 +105,7 @@ def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_th
     reference.set_attn_implementation("eager")
     scores = reference_scores(reference, ids, 2048)
     for layer, budget, score in zip(cache.layers, budgets, scores):
-        best = score[..., : 40 - RECENT].topk(budget - RECENT, dim=-1).indices
-        expected = torch.cat([best.sort(dim=-1).values, torch.arange(40 - RECENT, 40).expand(1, 2, RECENT)], dim=-1)
+        expected = score.topk(budget, dim=-1).indices.sort(dim=-1).values  # the prompt's last tokens compete too
         assert torch.equal(layer.retention.kept_positions(), expected)
         assert layer.storage.capacity == budget + 1  # each layer's storage is sized to its own budget
 

@@ -87,6 +87,12 @@ def significant(value: float, bits: int) -> float:
 
 
 @torch.no_grad()
+def is_protected(rule, position: int, stop: int) -> bool:
+    """Among the rule's ``protected`` newest of ``stop`` tokens, and not before its ``protected_from``
+    (KVzip's rule sets it past the prompt, whose tokens compete by their reconstruction scores)."""
+    return position > stop - 1 - rule.protected and position >= getattr(rule, "protected_from", 0)
+
+
 def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
     """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions."""
     batch, total = ids.shape
@@ -119,7 +125,7 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
                 for h in range(kv_heads):
                     before = kept[i][b][h]
                     candidates = before + list(range(start, stop))
-                    protected = [p for p in candidates if p > stop - 1 - rule.protected]
+                    protected = [p for p in candidates if is_protected(rule, p, stop)]
                     others = [p for p in candidates if p not in protected]
                     if len(candidates) <= rule.budget:
                         chosen = candidates

@@ -26,8 +26,8 @@ class KVzipCache(ScoredCache):
     repeat instruction, the tokenizer's answer opening, then the prompt, ``chunk`` tokens per
     forward) over the prompt's keys, and each prompt token is scored by the largest attention it
     receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps
-    every KV head's ``recent`` newest tokens plus the best-scoring others: ``heads x budget`` in
-    all, shared among its KV heads by their scores (``head_budgets="adaptive"``, the paper's
+    the best-scoring prompt tokens, the prompt's last ones competing like the rest (as the paper
+    and kvpress rank them): ``heads x budget`` in all, shared among its KV heads by their scores (``head_budgets="adaptive"``, the paper's
     head-level ranking: one head may keep 500 tokens, another 30), held in one pooled storage
     row of ``heads x (budget + 1)`` slots (:mod:`~hf_kvpolicies.retention.pooled_heads`); the
     rest is freed. ``head_budgets="uniform"`` keeps ``budget`` per head instead (and compiles).
@@ -37,8 +37,9 @@ class KVzipCache(ScoredCache):
 
     Decoding then evicts one token per row and head per step (with pooled heads, the ``heads``
     lowest-scoring tokens of the layer, whichever heads hold them): a kept token's score can only grow
-    with the attention later queries give it (the maximum, as for the reconstruction), and a new
-    token is never evicted while among the ``recent`` newest. The prompt costs a second pass
+    with the attention later queries give it (the maximum, as for the reconstruction), and a token
+    after the prompt is never evicted while among the ``recent`` newest (each layer's budget
+    keeps room for them). The prompt costs a second pass
     (about 2-3x the prefill's work, once per prompt); decode steps cost what H2O's do.
 
     The repeat prompt is written with ``tokenizer`` (default: the one saved with the model). The
@@ -53,7 +54,7 @@ class KVzipCache(ScoredCache):
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
-        """A budget of ``budget`` tokens, with at most half of it (8 at most) as the recent window."""
+        """A budget of ``budget`` tokens, with at most half of it (8 at most) as the recent window of decoded tokens."""
         return {"budget": budget, "recent": min(8, budget // 2)}
 
     def __init__(
@@ -72,8 +73,8 @@ class KVzipCache(ScoredCache):
         check_int("chunk", chunk, 1)
         if recent >= budget:
             raise ValueError(
-                f"recent={recent} must be below budget={budget}: the budget holds the recent window plus the "
-                "best-scoring prompt tokens; lower recent or raise budget"
+                f"recent={recent} must be below budget={budget}: the budget holds the recent window of decoded "
+                "tokens plus the best-scoring prompt tokens; lower recent or raise budget"
             )
         check_reconstructable(model)
         self.prompt = RepeatPrompt.from_tokenizer(tokenizer if tokenizer is not None else saved_tokenizer(model))

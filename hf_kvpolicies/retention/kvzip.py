@@ -2,12 +2,14 @@
 
 A prompt's tokens are scored by the context reconstruction (:mod:`hf_kvpolicies.reconstruction`),
 which the cache runs once its first forward has ended (:class:`~hf_kvpolicies.policies.kvzip.KVzipCache`);
-that forward's own attention is not scored. From then on, every query that attends to a kept
-token (each decode step, each later chunk) may raise its score: a score is the maximum over the
-reconstruction's queries and every later one, over the query heads of its KV head. The
-``recent`` newest tokens are never evicted, so a decoded token is scored by ``recent`` queries
-before it competes with the context. Slots, eviction and trims are
-:class:`~hf_kvpolicies.retention.scored.ScoredRetention`'s.
+that forward's own attention is not scored. Every prompt token competes by its reconstruction
+score, the prompt's last tokens included, as the paper and kvpress rank them. From then on,
+every query that attends to a kept token (each decode step, each later chunk) may raise its
+score: a score is the maximum over the reconstruction's queries and every later one, over the
+query heads of its KV head. Of the tokens after the prompt, the ``recent`` newest are never
+evicted, so a decoded token is scored by ``recent`` queries before it competes with the context
+(unprotected, each answer token would be evicted as it is written: its score starts at zero).
+Slots, eviction and trims are :class:`~hf_kvpolicies.retention.scored.ScoredRetention`'s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class KVzipRetention(ScoredRetention):
     def take_reconstruction(self, scores: torch.Tensor) -> None:
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""
         self.awaiting_reconstruction = False
+        self.protected_from = self.seen  # the prompt's tokens rank by these scores alone
         if self.pending is not None:  # over budget: the trim that follows ranks by them
             self.pending.scores = scores
             return

@@ -110,6 +110,9 @@ class ScoredRetention(Retention):
         self.protected: int | None = None
         """Tokens kept per (row, head), and how many of the newest are never evicted; fixed at the
         first update (:meth:`resolve`), or by the cache (:meth:`finish`) for adaptive budgets."""
+        self.protected_from = 0
+        """The first position the protection covers: a statistic whose prompt scores must rank every
+        prompt token (KVzip's reconstruction) sets it past the prompt, so only later tokens are protected."""
         self.layer_budget: Callable[[int, int], int] | None = None
         """Set by the cache: maps ``(uniform budget, protected)`` to this layer's budget (pyramid)."""
         self.defers_trim = False
@@ -263,6 +266,7 @@ class ScoredRetention(Retention):
     def reset(self) -> None:
         super().reset()
         self.budget = self.protected = None
+        self.protected_from = 0
         self.positions = self.scores = self.free = self._padding = self.live_t = None
         self.extra = {}
         self.pending = None
@@ -578,7 +582,10 @@ class ScoredRetention(Retention):
         seen = self.seen if seen is None else seen
         ranked = scores
         if self.protected:  # no position lies past seen - 1: with nothing protected, nothing to raise
-            ranked = ranked.masked_fill(positions > seen - 1 - self.protected, float("inf"))
+            oldest = seen - self.protected  # the oldest protected position, never below protected_from
+            if self.protected_from:
+                oldest = oldest.clamp(min=self.protected_from) if isinstance(oldest, torch.Tensor) else max(oldest, self.protected_from)
+            ranked = ranked.masked_fill(positions >= oldest, float("inf"))
         if every_slot_held:
             return ranked
         if real is not None:
