@@ -27,8 +27,9 @@ class KVzipCache(ScoredCache):
     forward) over the prompt's keys, and each prompt token is scored by the largest attention it
     receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps
     the best-scoring prompt tokens, the prompt's last ones competing like the rest (as the paper
-    and kvpress rank them): ``heads x budget`` in all, shared among its KV heads by their scores (``head_budgets="adaptive"``, the paper's
-    head-level ranking: one head may keep 500 tokens, another 30), held in one pooled storage
+    and kvpress rank them): ``heads x budget`` in all, shared among its KV heads by their scores
+    (``head_budgets="adaptive"``, the paper's head-level ranking: one head may keep 500 tokens,
+    another 30), held in one pooled storage
     row of ``heads x (budget + 1)`` slots (:mod:`~hf_kvpolicies.retention.pooled_heads`); the
     rest is freed. ``head_budgets="uniform"`` keeps ``budget`` per head instead (and compiles).
     ``layer_budgets="adaptive"`` (the paper's choice) lets the tokens of every layer and head
@@ -54,7 +55,7 @@ class KVzipCache(ScoredCache):
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
-        """A budget of ``budget`` tokens, with at most half of it (8 at most) as the recent window of decoded tokens."""
+        """A budget of ``budget`` tokens, at most half of it (8 at most) the recent window of decoded tokens."""
         return {"budget": budget, "recent": min(8, budget // 2)}
 
     def __init__(
