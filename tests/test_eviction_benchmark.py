@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tiny_models import random_ids, tiny_llama
 
-from eval.benchmarks.eviction import beside_full, greedy_answer, prefill_seconds, targets
+from eval.benchmarks.eviction import beside_full, greedy_answer, miss_line, prefill_seconds, targets
 from eval.benchmarks.runner import Contender
 from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache
 
@@ -56,3 +56,9 @@ def test_beside_full_counts_the_full_caches_needles_found_and_the_others():
     assert beside_full({0, 1, 3}, {0, 1, 2}) == "2/3 +1"
     assert beside_full({0, 1, 2}, {0, 1, 2}) == "3/3"
     assert beside_full(set(), set()) == "0/0"
+
+
+def test_miss_line_names_each_missed_prompt_with_its_answer():
+    missed = [(2048, 4, "1234567", " 1234560\n"), (1024, 0, "7654321", "mellow-muffin")]
+    assert miss_line("kvzip", missed) == "kvzip missed 2: 2048/4 '1234567' -> '1234560', 1024/0 '7654321' -> 'mellow-muffin'"
+    assert miss_line("full", []) == "full missed 0"

@@ -254,7 +254,7 @@ def kvzip_reference(model_name: str, schedule: str):
     model.set_attn_implementation("eager")
     chunks = SCHEDULES[schedule]
     ids = random_ids(1, sum(chunks), seed=5)
-    rule = KVzipRule(10, 3, reference_scores(model, ids[:, : chunks[0]], 2048))
+    rule = KVzipRule(10, 3, reference_scores(model, ids[:, : chunks[0]], 2048), sinks=2)
     return naive_pooled(model, ids, chunks, rule)
 
 
@@ -266,7 +266,7 @@ def test_kvzip_pools_heads_by_default_and_matches_the_masked_reference(model_nam
     expected_logits, expected_kept = kvzip_reference(model_name, schedule)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
-    cache = KVzipCache(model, budget=10, recent=3, layer_budgets="uniform", tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=10, recent=3, sinks=2, layer_budgets="uniform", tokenizer=TOKENIZER)
     assert cache.head_budgets == "adaptive"
     logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache, owned_positions)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
@@ -281,12 +281,13 @@ def test_kvzip_adaptive_layers_and_heads_keep_the_best_of_every_layer_and_head(o
     per head; each layer's reserve of ``recent`` per head, room for decoded tokens, holds its next best)."""
     model = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)
     ids = random_ids(1, 40, seed=5)
-    cache = KVzipCache(model, budget=10, recent=3, tokenizer=TOKENIZER)
+    cache = KVzipCache(model, budget=10, recent=3, sinks=2, tokenizer=TOKENIZER)
     with torch.no_grad():
         model(ids, cache=cache)
     reference = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)
     reference.set_attn_implementation("eager")
     scores = torch.stack([s[0] for s in reference_scores(reference, ids, 2048)])  # [layer, head, token]
+    scores[..., :2] = float("inf")  # the sinks win first in every layer and head
     best = scores.flatten().topk(4 * 2 * (10 - 3)).indices
     budgets = cache.layer_budget_sizes()
     assert sum(budgets) == 40 and len(set(budgets)) > 1

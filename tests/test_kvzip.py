@@ -16,18 +16,19 @@ from hf_kvpolicies import FullCache, KVzipCache, from_spec
 from hf_kvpolicies.retention.layer_budgets import adaptive_budgets, busiest_head_budgets
 
 TOKENIZER = char_tokenizer()
-BUDGET, RECENT = 10, 3
+BUDGET, RECENT, SINKS = 10, 3, 2
 
 
 class KVzipRule:
     """For :func:`test_scored.naive_eviction`: the first forward's tokens carry their reconstruction
     scores (``reconstruction[layer]``, from eager attention in :func:`reference_scores`); after
     that a token's score is the largest attention any later query gave it; of the tokens after the
-    prompt, the ``recent`` newest are protected (``protected_from``). ``naive_eviction`` observes the layers in order, so the first forward's calls take the layers'
-    scores one after the other."""
+    prompt, the ``recent`` newest are protected (``protected_from``), and so are the first ``sinks``
+    tokens. ``naive_eviction`` observes the layers in order, so the first forward's calls take the
+    layers' scores one after the other."""
 
-    def __init__(self, budget: int, recent: int, reconstruction: list[torch.Tensor]):
-        self.budget, self.protected = budget, recent
+    def __init__(self, budget: int, recent: int, reconstruction: list[torch.Tensor], sinks: int = 0):
+        self.budget, self.protected, self.sinks = budget, recent, sinks
         self.first = iter(reconstruction)
         self.protected_from = 0
 
@@ -54,34 +55,35 @@ MODELS = {
     "qwen3": tiny_qwen3,
 }
 CASES = [
-    ("llama-gqa", "long prompt", 2048),
-    ("llama-gqa", "long prompt", 10),  # the prompt reconstructed in three chunks
-    ("llama-gqa", "short prompt fills then evicts", 2048),
-    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048),
-    ("llama-gqa", "chunks, also after evictions", 2048),
-    ("llama-mqa", "chunks, also after evictions", 2048),
-    ("qwen3", "long prompt", 2048),
+    ("llama-gqa", "long prompt", 2048, SINKS),
+    ("llama-gqa", "long prompt", 2048, 0),
+    ("llama-gqa", "long prompt", 10, SINKS),  # the prompt reconstructed in three chunks
+    ("llama-gqa", "short prompt fills then evicts", 2048, SINKS),
+    ("llama-gqa", "prompt of budget + 1 evicts by reconstruction", 2048, SINKS),
+    ("llama-gqa", "chunks, also after evictions", 2048, SINKS),
+    ("llama-mqa", "chunks, also after evictions", 2048, SINKS),
+    ("qwen3", "long prompt", 2048, SINKS),
 ]
 
 
 @functools.cache
-def reference(model_name: str, schedule: str, chunk: int):
+def reference(model_name: str, schedule: str, chunk: int, sinks: int):
     model = peaked(MODELS[model_name](), factor=8.0)
     model.set_attn_implementation("eager")
     chunks = SCHEDULES[schedule]
     ids = random_ids(1, sum(chunks), seed=5)
     reconstruction = reference_scores(model, ids[:, : chunks[0]], chunk)
-    return naive_eviction(model, ids, chunks, KVzipRule(BUDGET, RECENT, reconstruction))
+    return naive_eviction(model, ids, chunks, KVzipRule(BUDGET, RECENT, reconstruction, sinks))
 
 
-@pytest.mark.parametrize("model_name, schedule, chunk", CASES)
-def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
+@pytest.mark.parametrize("model_name, schedule, chunk, sinks", CASES)
+def test_matches_naive_reference(model_name, schedule, chunk, sinks, one_thread):
     """Kept positions per layer and KV head after every forward (64+ decode steps), and logits."""
-    expected_logits, expected_kept = reference(model_name, schedule, chunk)
+    expected_logits, expected_kept = reference(model_name, schedule, chunk, sinks)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
     cache = KVzipCache(
-        model, budget=BUDGET, recent=RECENT, layer_budgets="uniform", head_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER
+        model, budget=BUDGET, recent=RECENT, sinks=sinks, layer_budgets="uniform", head_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER
     )
     logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
@@ -96,7 +98,9 @@ def test_matches_naive_reference(model_name, schedule, chunk, one_thread):
 def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_thread):
     model = peaked(tiny_llama(num_hidden_layers=4), factor=8.0)
     ids = random_ids(1, 40, seed=5)
-    cache = KVzipCache(model, budget=BUDGET, recent=RECENT, layer_budgets="adaptive", head_budgets="uniform", tokenizer=TOKENIZER)
+    cache = KVzipCache(
+        model, budget=BUDGET, recent=RECENT, sinks=SINKS, layer_budgets="adaptive", head_budgets="uniform", tokenizer=TOKENIZER
+    )
     with torch.no_grad():
         model(ids, cache=cache)
     budgets = cache.layer_budget_sizes()
@@ -105,7 +109,8 @@ def test_adaptive_budgets_share_the_total_and_keep_the_best_reconstructed(one_th
     reference.set_attn_implementation("eager")
     scores = reference_scores(reference, ids, 2048)
     for layer, budget, score in zip(cache.layers, budgets, scores):
-        expected = score.topk(budget, dim=-1).indices.sort(dim=-1).values  # the prompt's last tokens compete too
+        score[..., :SINKS] = float("inf")  # the sinks first, then the best; the prompt's last tokens compete too
+        expected = score.topk(budget, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(layer.retention.kept_positions(), expected)
         assert layer.storage.capacity == budget + 1  # each layer's storage is sized to its own budget
 
@@ -196,8 +201,9 @@ def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path)).eval()
     cache = from_spec(model, "kvzip:budget=12,recent=2,layer_budgets=pyramid,chunk=16")
     assert cache.prompt.first == KVzipCache(model, tokenizer=TOKENIZER).prompt.first
-    assert KVzipCache.budget_parameters(64) == {"budget": 64, "recent": 8}
-    assert KVzipCache.budget_parameters(8) == {"budget": 8, "recent": 4}
+    assert KVzipCache.budget_parameters(64) == {"budget": 64, "recent": 8, "sinks": 4}
+    assert KVzipCache.budget_parameters(8) == {"budget": 8, "recent": 4, "sinks": 2}
+    assert all(KVzipCache(model, **KVzipCache.budget_parameters(b), tokenizer=TOKENIZER) for b in range(1, 12))
     prefill_then_decode(model, random_ids(1, 40), cache, prefill=30)
     assert cache.layer_budget_sizes() != [12, 12] and sum(cache.layer_budget_sizes()) == 24
 
@@ -206,8 +212,10 @@ def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
     "kwargs, message",
     [
         ({"budget": 0}, "budget must be"),
-        ({"budget": 8, "recent": 8}, "recent=8 must be below budget=8"),
+        ({"budget": 8, "recent": 8, "sinks": 0}, "recent=8 plus sinks=0 must be below budget=8"),
+        ({"budget": 8, "recent": 4, "sinks": 4}, "recent=4 plus sinks=4 must be below budget=8: .*lower recent or sinks"),
         ({"recent": -1}, "recent must be"),
+        ({"sinks": -1}, "sinks must be"),
         ({"chunk": 0}, "chunk must be"),
         ({"layer_budgets": "even"}, "layer_budgets"),
     ],
@@ -240,3 +248,20 @@ def test_reset_reconstructs_the_next_prompt(one_thread):
     assert torch.equal(got, expected)
     for a, b in zip(cache.layers, fresh.layers):
         assert torch.equal(a.retention.kept_positions(), b.retention.kept_positions())
+
+
+@pytest.mark.parametrize("head_budgets", ["uniform", "adaptive"])
+def test_sinks_stay_in_every_head_where_their_scores_alone_would_evict_them(head_budgets, one_thread):
+    """Each head keeps the first ``sinks`` tokens through the trim and 40 decode steps; without
+    sinks, some head evicts one of them (so the rule is what keeps them)."""
+    model = peaked(tiny_llama(), factor=8.0)
+    ids = random_ids(1, 80, seed=5)
+
+    def kept_sinks(sinks: int) -> list[bool]:
+        cache = KVzipCache(model, budget=BUDGET, recent=RECENT, sinks=sinks, head_budgets=head_budgets, tokenizer=TOKENIZER)
+        prefill_then_decode(model, ids, cache, prefill=40)
+        assert cache.get_seq_length() == 80
+        return [set(range(SINKS)) <= set(head.tolist()) for layer in cache.layers for head in layer.retention.kept_positions()[0]]
+
+    assert all(kept_sinks(SINKS))
+    assert not all(kept_sinks(0))

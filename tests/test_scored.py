@@ -86,13 +86,15 @@ def significant(value: float, bits: int) -> float:
     return math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent)
 
 
-@torch.no_grad()
 def is_protected(rule, position: int, stop: int) -> bool:
     """Among the rule's ``protected`` newest of ``stop`` tokens, and not before its ``protected_from``
-    (KVzip's rule sets it past the prompt, whose tokens compete by their reconstruction scores)."""
-    return position > stop - 1 - rule.protected and position >= getattr(rule, "protected_from", 0)
+    (KVzip's rule sets it past the prompt, whose tokens compete by their reconstruction scores), or
+    among its first ``sinks`` tokens (KVzip's; unpadded rows)."""
+    newest = position > stop - 1 - rule.protected and position >= getattr(rule, "protected_from", 0)
+    return newest or position < getattr(rule, "sinks", 0)
 
 
+@torch.no_grad()
 def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
     """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions."""
     batch, total = ids.shape

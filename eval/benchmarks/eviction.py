@@ -12,7 +12,8 @@ prompt in one forward with each policy's ratio to FullCache's (the policies take
 task: RULER's single needle (a 7-digit number, ``eval.recall``) in prompts of 1,024 and 2,048
 tokens with the question at the end, prefilled at once (or, ``--needle-protocol last-token-kept``,
 as kvpress's pipeline: all but the last token) and answered greedily; exact matches and
-the fraction of the number's digits right (position by position) for ``NEEDLE_POLICIES``.
+the fraction of the number's digits right (position by position) for ``NEEDLE_POLICIES``;
+``--needle-misses`` then lists each contender's missed prompts and answers.
 
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
 ``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
@@ -133,11 +134,18 @@ def greedy_answer(model, ids: torch.Tensor, cache, new_tokens: int, last_token_k
 
 @torch.no_grad()
 def needle_scores(
-    model, tokenizer, contenders: list[Contender], cases: int, haystack: torch.Tensor, last_token_kept: bool = False
+    model,
+    tokenizer,
+    contenders: list[Contender],
+    cases: int,
+    haystack: torch.Tensor,
+    last_token_kept: bool = False,
+    misses: bool = False,
 ) -> list[str]:
     """Exact matches and digit accuracy of each contender over ``cases`` needle prompts
     (``last_token_kept``: see :func:`greedy_answer`); with ``full`` among the contenders, how many
-    of the needles the full cache finds each one finds too (:func:`beside_full`)."""
+    of the needles the full cache finds each one finds too (:func:`beside_full`); with
+    ``misses``, each contender's missed prompts and answers (:func:`miss_line`)."""
     per_length = max(1, cases // len(NEEDLE_LENGTHS))
     prompts = [
         make_case(tokenizer, haystack, "niah_single", length=length, depth=(seed + 0.5) / per_length, seed=seed)
@@ -145,12 +153,14 @@ def needle_scores(
         for seed in range(per_length)
     ]
     rows: list[tuple[str, set[int], list[str]]] = []
+    missed: list[str] = []
     for c in contenders:
-        found, digits, held = set(), [], 0
+        found, digits, held, answers = set(), [], 0, []
         for index, case in enumerate(prompts):
             ids = torch.cat([case.context_ids, case.question_ids], dim=1).to(model.device)
             cache = c.make(model)
             answer = tokenizer.decode(greedy_answer(model, ids, cache, case.answer_tokens, last_token_kept), skip_special_tokens=True)
+            answers.append(answer)
             if score_answer(answer, case.expected) == 1.0:
                 found.add(index)
             digits.append(digits_right(answer, case.expected[0]))
@@ -159,13 +169,22 @@ def needle_scores(
         exact = [sum(prompts[i].length == n for i in found) for n in NEEDLE_LENGTHS]
         cells = [f"{e}/{per_length}" for e in exact] + [f"{100 * statistics.mean(digits):.0f}%", f"{held / 2**20:.2f}"]
         rows.append((c.label, found, cells))
+        if misses:
+            missed.append(miss_line(c.label, [(p.length, p.seed, p.expected[0], a) for i, (p, a) in enumerate(zip(prompts, answers)) if i not in found]))
     full = next((found for label, found, _ in rows if label == "full"), None)
     header = [f"exact @{n}" for n in NEEDLE_LENGTHS] + ["digits right", f"MiB held @{max(NEEDLE_LENGTHS)}"]
     header += [] if full is None else ["of full's found (+ others)"]
     lines = ["| policy | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
     for label, found, cells in rows:
         lines.append(f"| {label} | " + " | ".join(cells + ([] if full is None else [beside_full(found, full)])) + " |")
-    return lines
+    return lines + missed
+
+
+def miss_line(label: str, missed: list[tuple[int, int, str, str]]) -> str:
+    """``"kvzip missed 2: 2048/4 '1234567' -> '1234560', ..."``: the (length, seed, expected,
+    answer) of each prompt a contender missed, to compare policies prompt by prompt."""
+    cases = ", ".join(f"{length}/{seed} {expected!r} -> {answer.strip()!r}" for length, seed, expected, answer in missed)
+    return f"{label} missed {len(missed)}" + (f": {cases}" if missed else "")
 
 
 def beside_full(found: set[int], full: set[int]) -> str:
@@ -211,6 +230,7 @@ def main() -> None:
     parser.add_argument("--needle-specs", nargs="*", default=[], help="more needle contenders as specs, e.g. snapkv:budget=256,kernel=15")
     parser.add_argument("--needle-policies", nargs="*", default=NEEDLE_POLICIES, help="needle contenders by name (budget applied)")
     parser.add_argument("--needle-protocol", choices=("at-once", "last-token-kept"), default="at-once", help="needle prompts prefilled at once, or all but the last token prefilled and trimmed first, the last decoded from what was kept (kvpress's pipeline)")
+    parser.add_argument("--needle-misses", action="store_true", help="after the needle table, each contender's missed prompts (length/seed, expected, answer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every timing (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -239,7 +259,7 @@ def main() -> None:
         kept = args.needle_protocol == "last-token-kept"
         how = "all but the last token prefilled, the last decoded from what was kept" if kept else "prefilled at once"
         print(f"\nneedle (niah_single, 7 digits, question at the end, {how}), budget {args.budget}:")
-        print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack, kept)))
+        print("\n".join(needle_scores(model, tokenizer, needles, args.needle_cases, haystack, kept, args.needle_misses)))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ class KVzipCache(ScoredCache):
     lowest-scoring tokens of the layer, whichever heads hold them): a kept token's score can only grow
     with the attention later queries give it (the maximum, as for the reconstruction), and a token
     after the prompt is never evicted while among the ``recent`` newest (each layer's budget
-    keeps room for them). The prompt costs a second pass
+    keeps room for them). Each row's first ``sinks`` tokens are kept in every head (the attention
+    sink; the paper's code keeps the system prefix, kvpress the first 4 tokens). The prompt costs a second pass
     (about 2-3x the prefill's work, once per prompt); decode steps cost what H2O's do.
 
     The repeat prompt is written with ``tokenizer`` (default: the one saved with the model). The
@@ -55,14 +56,16 @@ class KVzipCache(ScoredCache):
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
-        """A budget of ``budget`` tokens, at most half of it (8 at most) the recent window of decoded tokens."""
-        return {"budget": budget, "recent": min(8, budget // 2)}
+        """A budget of ``budget`` tokens: at most half of it (8 at most) the recent window of decoded
+        tokens, at most a quarter (4 at most) the sinks."""
+        return {"budget": budget, "recent": min(8, budget // 2), "sinks": min(4, budget // 4)}
 
     def __init__(
         self,
         model: PreTrainedModel,
         budget: int = 1024,
         recent: int = 8,
+        sinks: int = 4,
         layer_budgets: LayerBudgets = "adaptive",
         head_budgets: HeadBudgets = "adaptive",
         chunk: int = DEFAULT_CHUNK,
@@ -71,11 +74,13 @@ class KVzipCache(ScoredCache):
     ) -> None:
         check_int("budget", budget, 1)
         check_int("recent", recent, 0)
+        check_int("sinks", sinks, 0)
         check_int("chunk", chunk, 1)
-        if recent >= budget:
+        if recent + sinks >= budget:
             raise ValueError(
-                f"recent={recent} must be below budget={budget}: the budget holds the recent window of decoded "
-                "tokens plus the best-scoring prompt tokens; lower recent or raise budget"
+                f"recent={recent} plus sinks={sinks} must be below budget={budget}: the budget holds the recent "
+                "window of decoded tokens, the sinks and the best-scoring prompt tokens; lower recent or sinks, "
+                "or raise budget"
             )
         check_reconstructable(model)
         self.prompt = RepeatPrompt.from_tokenizer(tokenizer if tokenizer is not None else saved_tokenizer(model))
@@ -84,7 +89,7 @@ class KVzipCache(ScoredCache):
         self.context_ids: torch.Tensor | None = None
         """The first forward's ``input_ids`` (seen by a decoder pre-hook), until its reconstruction."""
         self.reconstructed = False
-        super().__init__(model, lambda: KVzipRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda: KVzipRetention(budget, recent, sinks), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
         for retention in self.scored_layers():
             retention.defers_trim = True  # the first forward waits for its reconstruction scores
         attach_ids_hook(model)

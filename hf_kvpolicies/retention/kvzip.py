@@ -9,6 +9,10 @@ score: a score is the maximum over the reconstruction's queries and every later 
 query heads of its KV head. Of the tokens after the prompt, the ``recent`` newest are never
 evicted, so a decoded token is scored by ``recent`` queries before it competes with the context
 (unprotected, each answer token would be evicted as it is written: its score starts at zero).
+Each row's first ``sinks`` tokens are kept in every head, as the paper's code keeps the prompt's
+system prefix and kvpress its first 4 tokens: they hold the attention sink, which layers whose
+reconstruction attends elsewhere would otherwise evict. They win their places by their score
+(:data:`SINK_SCORE`), so an adaptive layer budget counts them as tokens its heads won.
 Slots, eviction and trims are :class:`~hf_kvpolicies.retention.scored.ScoredRetention`'s.
 """
 
@@ -19,12 +23,17 @@ import torch
 from ..attention_scores import max_attention
 from .scored import Attended, ScoredRetention
 
+SINK_SCORE = 2.0
+"""A sink's score: above every attention probability (at most 1), so a sink ranks first at the
+trim and its running maximum never falls below any other token's, so decoding never evicts it."""
+
 
 class KVzipRetention(ScoredRetention):
     """Reconstruction scores for the prompt, then the running maximum of the attention received."""
 
-    def __init__(self, budget: int, recent: int) -> None:
+    def __init__(self, budget: int, recent: int, sinks: int = 0) -> None:
         super().__init__(budget=budget, protected=recent)
+        self.sinks = sinks
         self.awaiting_reconstruction = True
         """True until the cache has written the first forward's reconstruction scores."""
 
@@ -40,6 +49,10 @@ class KVzipRetention(ScoredRetention):
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""
         self.awaiting_reconstruction = False
         self.protected_from = self.seen  # the prompt's tokens rank by these scores alone
+        positions = self.positions[..., : self.live] if self.pending is None else self.pending.positions
+        if self.sinks:
+            real = positions >= 0  # in order, pads first: a row's first real tokens are its sinks
+            scores = scores.masked_fill(real & (real.cumsum(dim=-1) <= self.sinks), SINK_SCORE)
         if self.pending is not None:  # over budget: the trim that follows ranks by them
             self.pending.scores = scores
             return
