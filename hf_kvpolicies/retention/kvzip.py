@@ -49,8 +49,8 @@ class KVzipRetention(ScoredRetention):
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""
         self.awaiting_reconstruction = False
         self.protected_from = self.seen  # the prompt's tokens rank by these scores alone
-        positions = self.positions[..., : self.live] if self.pending is None else self.pending.positions
         if self.sinks:
+            positions = self.positions[..., : self.live] if self.pending is None else self.pending.positions
             real = positions >= 0  # in order, pads first: a row's first real tokens are its sinks
             scores = scores.masked_fill(real & (real.cumsum(dim=-1) <= self.sinks), SINK_SCORE)
         if self.pending is not None:  # over budget: the trim that follows ranks by them
