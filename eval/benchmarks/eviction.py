@@ -18,7 +18,7 @@ the fraction of the number's digits right (position by position) for ``NEEDLE_PO
 A new eviction policy joins by adding its class to ``POLICIES`` (and its name to
 ``NEEDLE_POLICIES`` for the needle task); a policy with keywords changed joins ``VARIANTS``
 (KVzip with uniform layer budgets, its KV heads sharing each layer's; KVzip with one budget per
-layer and KV head, ``kvzip-per-head``; SnapKV with the former default kernel 7, which pools too
+layer and KV head, ``kvzip-per-head``; SnapKV with the paper's kernel 7, which pools too
 narrowly to carry the question's attention from a needle's key over the 7 digits after it; SnapKV
 pooling by average, as the paper's code and kvpress do, ``snapkv-avg``).
 The needle table also gives the bytes each cache holds after its longest answer
@@ -195,7 +195,7 @@ def beside_full(found: set[int], full: set[int]) -> str:
 
 
 def targets(results: dict[str, Contender], contexts: list[int], prefill_column: str | None) -> list[str]:
-    """One line per target of the issue, with the figures it rests on."""
+    """One line per performance target, with the figures it rests on."""
     window = results["window"].figures
     lines = []
     for name in [*SCORED, "kvzip", *VARIANTS]:

@@ -8,7 +8,7 @@ checked bit for bit against PyTorch's own conversion. Then one table for FullCac
 the ratios), FP8Cache, SinkCache with native and fp8 storage, and transformers'
 ``QuantizedCache(backend="fp8")`` (one per-tensor scale frozen at the first update: the anchor
 to beat): decode ms/token and MiB at each context, streaming perplexity (one token per forward,
-the cache never reset). Then the footprint against the same cache held in bf16, and the issue's
+the cache never reset). Then the footprint against the same cache held in bf16, and the performance
 targets, each checked on the figures it rests on.
 
 ``--residual-sweep 0 8 32 128`` adds the measurement the default residual was chosen from: after
@@ -160,7 +160,7 @@ def residual_sweep(
 
 # --- targets -----------------------------------------------------------------------------------
 def targets(results: list[Contender], contexts: list[int], ppl_tokens: int, memory_ratio: float) -> list[str]:
-    """One line per target of the issue, with the figures it rests on."""
+    """One line per performance target, with the figures it rests on."""
     full, fp8, _, _, anchor = (c.figures for c in results)
 
     def check(label: str, met: bool, target: str) -> str:

@@ -62,7 +62,7 @@ def ppl_contenders(window: int) -> list[Contender]:
 
 
 def targets(speed: list[Contender], quality: list[Contender], contexts: list[int], budget: int) -> list[str]:
-    """One line per target of the issue, with the figures it rests on."""
+    """One line per performance target, with the figures it rests on."""
     lines = []
     if contexts:
         short, long = min(contexts), max(contexts)
