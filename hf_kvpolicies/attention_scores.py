@@ -28,6 +28,7 @@ queries that way, so only those are accepted, checked when the cache is built.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,8 +41,7 @@ from .cache import PolicyCache
 from .masks import MASK_FORMATS, decoder_of
 
 HOOK_ATTRIBUTE = "_hf_kvpolicies_query_hooks"
-SERVED_MODEL_TYPES = ("gemma", "gemma3_text", "llama", "mistral", "qwen2", "qwen3")
-"""Architectures whose attention computes ``rope(q_norm?(q_proj(x)))`` and nothing else."""
+QUERY_POLICIES = "a query-scored cache (H2O, SnapKV, TOVA, KVzip)"
 
 SCORE_CHUNK_ELEMENTS = 1 << 20
 """Attention probabilities held at once while scoring a long prompt (4 MiB in fp32: a chunk stays
@@ -50,33 +50,52 @@ in cache between the product, the softmax and the sum, which is what makes scori
 Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def query_recipe_problem(module: nn.Module) -> str | None:
+    """Why the queries of ``module`` cannot be rebuilt as ``rope(q_norm?(q_proj(x)))``, or ``None``.
+
+    Read from the module itself, not from a list of model names: any attention that projects
+    its queries with ``q_proj``, normalises them (optionally) per head or over all heads, and
+    rotates them with its modeling file's ``apply_rotary_pos_emb`` is served (Llama, Mistral,
+    Mixtral, Qwen 2/3 and their MoE variants, Gemma, Gemma 3, Starcoder2, Granite, Olmo 2...).
+    """
+    missing = [name for name in ("q_proj", "head_dim", "scaling", "layer_idx") if not hasattr(module, name)]
+    if missing:
+        return f"{type(module).__name__} has no {', '.join(missing)} (the queries are read from q_proj)"
+    width = getattr(module.q_proj, "out_features", None)
+    if not isinstance(width, int) or width % module.head_dim:
+        return f"{type(module).__name__}.q_proj does not project to whole heads of {module.head_dim}"
+    norm = getattr(module, "q_norm", None)
+    if norm is not None and getattr(getattr(norm, "weight", None), "numel", lambda: -1)() not in (module.head_dim, width):
+        return f"{type(module).__name__}.q_norm normalises neither each head nor all heads together"
+    if getattr(module, "attn_logit_softcapping", None) is not None:
+        return f"{type(module).__name__} softcaps its attention logits, which the scores would not see"
+    if getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None) is None:
+        return f"{type(module).__name__}'s modeling file has no apply_rotary_pos_emb to rotate the queries with"
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None  # no source to read: the attributes above are all there is to check
+    for call in ("q_proj(", "apply_rotary_pos_emb("):
+        if call not in source:
+            return f"{type(module).__name__}.forward does not call {call[:-1]} (its queries are computed otherwise)"
+    return None
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The decoder's attention modules, checked to be ones whose queries we can rebuild."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SERVED_MODEL_TYPES:
-        raise ValueError(
-            f"a query-scored cache (H2O, SnapKV, TOVA) rebuilds the queries of {', '.join(SERVED_MODEL_TYPES)} attention; {model_type!r} "
-            "may compute its queries differently: use a policy that needs no attention scores (window, sink, knorm)"
-        )
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     layers = getattr(decoder_of(model), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers) with attention a query-scored cache (H2O, SnapKV, TOVA) can see")
+        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers) with attention {QUERY_POLICIES} can see")
     modules = []
     for index, layer in enumerate(layers):
         module = getattr(layer, "self_attn", None)
-        missing = [name for name in ("q_proj", "head_dim", "scaling", "layer_idx") if not hasattr(module, name)]
-        if missing:
+        problem = "no self_attn module" if module is None else query_recipe_problem(module)
+        if problem is not None:
             raise ValueError(
-                f"layer {index} of {type(model).__name__} has no attention module a query-scored cache (H2O, SnapKV, TOVA) can serve "
-                f"(missing {', '.join(missing)} on {type(module).__name__}): it reads the queries from q_proj"
+                f"{QUERY_POLICIES} cannot rebuild the queries of {model_type} (layer {index}: {problem}): use a policy "
+                "that needs no attention scores (window, sink, knorm)"
             )
-        norm = getattr(module, "q_norm", None)
-        if norm is not None and tuple(getattr(norm, "weight", torch.empty(0)).shape) != (module.head_dim,):
-            raise ValueError(f"layer {index}: a query-scored cache (H2O, SnapKV, TOVA) serves a q_norm over the head dimension only")
-        if getattr(module, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"layer {index}: a query-scored cache (H2O, SnapKV, TOVA) does not score softcapped attention logits")
-        if getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None) is None:
-            raise ValueError(f"{type(module).__name__}'s modeling file has no apply_rotary_pos_emb to rotate queries")
         modules.append(module)
     return modules
 
@@ -170,9 +189,11 @@ class _QueryTap:
         rows = getattr(receiver, "query_rows", None)
         if rows is not None and rows < projected.shape[1]:
             projected, cos, sin = projected[:, -rows:], cos[:, -rows:], sin[:, -rows:]
-        query = projected.view(*projected.shape[:-1], -1, module.head_dim)
         norm = getattr(module, "q_norm", None)
-        if norm is not None:
+        if norm is not None and norm.weight.numel() != module.head_dim:  # over all heads (Olmo 2), before the split
+            projected = norm(projected)
+        query = projected.view(*projected.shape[:-1], -1, module.head_dim)
+        if norm is not None and norm.weight.numel() == module.head_dim:  # per head (Qwen 3, Gemma 3)
             query = norm(query)
         query = query.transpose(1, 2)
         query, _ = self.rope(query, query[:, :0], cos, sin)  # the rotation takes a key too: an empty one

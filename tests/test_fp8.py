@@ -417,6 +417,22 @@ def test_padded_batch_in_fp8_equals_each_row_alone(make_model, spec, one_thread)
     assert padded_against_alone(make_model(), spec) < 1e-5
 
 
+@pytest.mark.parametrize("residual", [0, 2, 8])
+@pytest.mark.parametrize("policy", ["h2o:heavy=24,recent=24", "snapkv:budget=48,window=8", "tova:budget=48", "knorm:budget=48"])
+def test_padded_batch_of_a_scored_policy_in_fp8_equals_each_row_alone(policy, residual, one_thread):
+    """Rows of 20, 60 and 100 tokens at budget 48: the batch's prompt is over budget, so it attends
+    before it is stored, while the 20-token row alone is written in place first; both see its
+    tokens as the fp8 storage holds them (all but the newest ``residual`` rounded)."""
+    model = tiny_llama()
+    spec = f"{policy},storage=fp8:residual={residual}"
+    rows = [random_ids(1, n, seed=i + 1) for i, n in enumerate((20, 60, 100))]
+    ids, mask = left_padded(rows)
+    batch = generated_logits(model, ids, from_spec(model, spec), 12, attention_mask=mask)
+    for i, row in enumerate(rows):
+        alone = generated_logits(model, row, from_spec(model, spec), 12)[0]
+        assert (batch[i] - alone).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("positions", ["cache", "absolute"])
 def test_padded_batch_in_fp8_with_a_small_residual_is_within_the_sink_bound(positions, one_thread):
     """A residual (8) smaller than the ring (11): the padded rows' sinks may sit natively in one run

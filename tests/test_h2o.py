@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 from helpers import forward_with_attentions, greedy, prefill_then_decode
-from tiny_models import COMMON, random_ids, tiny_gemma3, tiny_llama, tiny_qwen3
+from tiny_models import COMMON, random_ids, tiny_deepseek_v3, tiny_from_type, tiny_gemma3, tiny_llama, tiny_qwen3
 from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 
 from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, from_spec
@@ -244,6 +244,11 @@ def test_models_it_cannot_serve_fail_at_construction():
     fused = Phi3ForCausalLM(Phi3Config(**{**COMMON, "pad_token_id": 0})).eval()  # one qkv_proj
     with pytest.raises(ValueError, match="phi3"):
         H2OCache(fused, heavy=4, recent=4)
+    with pytest.raises(ValueError, match="deepseek_v3.*q_proj"):  # latent attention: q_a_proj, q_b_proj
+        H2OCache(tiny_deepseek_v3(), heavy=4, recent=4)
+    softcapped = tiny_from_type("gemma2")
+    with pytest.raises(ValueError, match="softcaps"):
+        H2OCache(softcapped, heavy=4, recent=4)
     model = tiny_llama()
     cache = H2OCache(model, heavy=4, recent=4)
     model.config._attn_implementation_internal = "flash_attention_2"

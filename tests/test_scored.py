@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import forward_with_attentions, generated_logits, greedy, left_padded, prefill_then_decode
 from test_h2o import SCHEDULES, full_layers, peaked, run_schedule
-from tiny_models import random_ids, tiny_gemma3, tiny_llama
+from tiny_models import QUERY_ARCHITECTURES, random_ids, tiny_deepseek_v3, tiny_from_type, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from hf_kvpolicies import FullCache, H2OCache, KNormCache, SnapKVCache, TOVACache, available_policies, from_spec
@@ -152,6 +152,7 @@ MODELS = {
     "llama-gqa": tiny_llama,
     "gemma3-mqa": tiny_gemma3,
     "llama-mqa": functools.partial(tiny_llama, num_key_value_heads=1),
+    **{name: functools.partial(tiny_from_type, name, **kwargs) for name, kwargs in QUERY_ARCHITECTURES.items()},
 }
 POLICIES = {
     "snapkv": (lambda m: SnapKVCache(m, budget=10, window=4, kernel=3), lambda: SnapKVRule(10, 4, 3)),
@@ -172,7 +173,9 @@ CASES = [
         ("llama-mqa", "chunks, also after evictions"),
     ]
     if (policy, model) != ("knorm", "gemma3-mqa")  # Gemma 3 normalises its keys: their norms nearly tie
-] + [("snapkv-avg7", "llama-gqa", "long prompt"), ("knorm", "llama-gqa", "short prompt fills then evicts")]
+] + [("snapkv-avg7", "llama-gqa", "long prompt"), ("knorm", "llama-gqa", "short prompt fills then evicts")] + [
+    ("tova", name, "long prompt") for name in QUERY_ARCHITECTURES  # the queries rebuilt from q_proj are the model's
+]
 
 
 @functools.cache
@@ -421,3 +424,24 @@ def test_cli_refuses_flex_attention_for_query_policies_in_one_line(policy, tmp_p
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "set_attn_implementation('sdpa')" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("budgets", ["", ",head_budgets=adaptive", ",layer_budgets=pyramid", ",storage=fp8"])
+def test_knorm_serves_keys_and_values_of_different_widths(budgets, one_thread):
+    """DeepSeek-V3's latent attention caches 16-wide keys and 8-wide values: the decode step, the
+    trim and the pooled heads store each by its own width. A padded batch (over budget, under it)
+    gives each row what it gets alone; a budget covering the sequence gives the full cache's logits (DynamicCache's, natively)."""
+    model = tiny_deepseek_v3()
+    spec = f"knorm:budget=24,recent=4{budgets}"
+    rows = [random_ids(1, n, seed=i + 1) for i, n in enumerate((40, 9, 20))]
+    ids, mask = left_padded(rows)
+    batch = generated_logits(model, ids, from_spec(model, spec), 30, attention_mask=mask)
+    for i, row in enumerate(rows):
+        alone = generated_logits(model, row, from_spec(model, spec), 30)[0]
+        assert (batch[i] - alone).abs().max() < 1e-5
+    ids = random_ids(2, 40)
+    covering = prefill_then_decode(model, ids, from_spec(model, f"knorm:budget=1000,recent=4{budgets}"), 20)  # pyramid: the last layer 1/20
+    full = from_spec(model, "full:storage=fp8" if budgets.endswith("fp8") else "full")
+    torch.testing.assert_close(covering, prefill_then_decode(model, ids, full, 20), atol=1e-5, rtol=0)
+    if not budgets.endswith("fp8"):
+        torch.testing.assert_close(covering, prefill_then_decode(model, ids, DynamicCache(config=model.config), 20), atol=1e-5, rtol=0)

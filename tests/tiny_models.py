@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
@@ -90,6 +92,25 @@ def tiny_deepseek_v3(**overrides) -> PreTrainedModel:
         }
     )
     return _build(DeepseekV3ForCausalLM, config)
+
+
+def tiny_from_type(model_type: str, **overrides) -> PreTrainedModel:
+    """Any architecture transformers knows by its ``model_type``, at the tiny size."""
+    config = AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = COMMON["pad_token_id"]
+    return model
+
+
+QUERY_ARCHITECTURES = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "olmo2": {},  # its q_norm spans every head
+}
+"""Attention that projects, normalises and rotates its queries as Llama does, under other names:
+the query-scored policies serve them by that recipe, read from the module (no list of names)."""
 
 
 TINY_MODELS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}

@@ -85,13 +85,20 @@ class Attended:
 
 @dataclass
 class Pending:
-    """A scored forward waiting for its trim: every key it attended to, with positions and scores."""
+    """A scored forward waiting for its trim: every key it attended to (as the storage will hold
+    them), with positions and scores, and the same keys as they arrived, which the trim stores."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     scores: torch.Tensor
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    arrived: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Keys and values to store where they differ from what attention saw (``None``: the same)."""
+
+    @property
+    def to_store(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.arrived if self.arrived is not None else (self.keys, self.values)
 
 
 class ScoredRetention(Retention):
@@ -295,7 +302,7 @@ class ScoredRetention(Retention):
         if self.pooled:
             return self._pooled_step(storage, keys, values, new_positions, query, scaling)
         if not storage.is_allocated:
-            self._allocate(storage, keys, self.budget + 1)
+            self._allocate(storage, keys, self.budget + 1, value_dim=values.shape[-1])
         storage.write(slots, keys, values)
         self._record(slots, new_positions, q)
         all_keys, all_values = storage.read(self.live)
@@ -395,10 +402,13 @@ class ScoredRetention(Retention):
         query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
         return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask)
 
-    def _allocate(self, storage: Storage, like: torch.Tensor, capacity: int, heads: int | None = None) -> None:
-        """Storage shaped like ``like`` and per-head state; ``heads`` where the state has more
-        heads than the storage (pooled: one storage row, a state row per head)."""
-        storage.allocate(like, capacity)
+    def _allocate(
+        self, storage: Storage, like: torch.Tensor, capacity: int, heads: int | None = None, value_dim: int | None = None
+    ) -> None:
+        """Storage shaped like ``like`` (values ``value_dim`` wide where they differ from the keys)
+        and per-head state; ``heads`` where the state has more heads than the storage (pooled: one
+        storage row, a state row per head)."""
+        storage.allocate(like, capacity, value_dim=value_dim)
         batch, heads = like.shape[0], heads or like.shape[1]
         shape = (batch, heads, storage.capacity)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=like.device)
@@ -458,21 +468,29 @@ class ScoredRetention(Retention):
         batch, heads, q = keys.shape[:3]
         if isinstance(new_positions, int):
             new_positions = torch.full((batch, heads, q), new_positions, device=keys.device)
+        # attention sees the new tokens as the storage will hold them (a write then a read: fp8
+        # rounds all but its residual), as a forward written in place does; the trim stores them as they came
+        seen_keys, seen_values = storage.as_written(keys, values)
+        arrived = None
         if storage.is_allocated:
             old_keys, old_values, old_positions, old_scores, old_extra = self._kept_state(storage)
-            all_keys = torch.cat([old_keys, keys], dim=-2)
-            all_values = torch.cat([old_values, values], dim=-2)
+            all_keys = torch.cat([old_keys, seen_keys], dim=-2)
+            all_values = torch.cat([old_values, seen_values], dim=-2)
+            if seen_keys is not keys:
+                arrived = (torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2))
             positions = torch.cat([old_positions, new_positions], dim=-1)
             scores = torch.cat([old_scores, old_scores.new_zeros(batch, heads, q)], dim=-1)
             extra = {n: torch.cat([t, t.new_zeros(*t.shape[:-1], q)], dim=-1) for n, t in old_extra.items()}
         else:  # contiguous as a cache's own buffers are: attention and scoring run faster on them
-            all_keys, all_values, positions = keys.contiguous(), values.contiguous(), new_positions
+            all_keys, all_values, positions = seen_keys.contiguous(), seen_values.contiguous(), new_positions
+            if seen_keys is not keys:
+                arrived = (keys, values)
             scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
             extra = self.extra_state(batch, heads, q, keys.device)
         seen = self._attended(all_keys, keys, all_keys.shape[-2] - q, query, scaling, positions)
         scores = self.score(seen, scores, extra)
         self.seen += q
-        self.pending = Pending(all_keys, all_values, positions, scores, extra)
+        self.pending = Pending(all_keys, all_values, positions, scores, extra, arrived)
         if not self.defers_trim:
             self.finish(storage)
         return all_keys, all_values
@@ -484,10 +502,10 @@ class ScoredRetention(Retention):
         count = min(self.budget, pending.positions.shape[-1])
         ranked = self.selection_scores(pending.positions, pending.scores)
         stay = self._best(pending.positions, ranked, count)
+        keys, values = pending.to_store
         if not storage.is_allocated:
-            self._allocate(storage, pending.keys, self.budget + 1)
-        index = expand_slots(stay, pending.keys)
-        storage.write(0, pending.keys.gather(2, index), pending.values.gather(2, index))
+            self._allocate(storage, keys, self.budget + 1, value_dim=values.shape[-1])
+        storage.write(0, keys.gather(2, expand_slots(stay, keys)), values.gather(2, expand_slots(stay, values)))
         self.positions[..., :count] = pending.positions.gather(-1, stay)
         self.positions[..., count:] = -1
         self.scores[..., :count] = pending.scores.gather(-1, stay)
@@ -506,8 +524,8 @@ class ScoredRetention(Retention):
         chosen = pooled_best(pending.positions, ranked, count)
         capacity = heads * (self.budget + 1)
         if not storage.is_allocated or storage.capacity != capacity:
-            self._allocate(storage, pending.keys[:, :1], capacity, heads)
-        keys, values = (take_flat(t.movedim(-1, -2), chosen).movedim(-2, -1) for t in (pending.keys, pending.values))
+            self._allocate(storage, pending.keys[:, :1], capacity, heads, value_dim=pending.values.shape[-1])
+        keys, values = (take_flat(t.movedim(-1, -2), chosen).movedim(-2, -1) for t in pending.to_store)
         storage.write(0, keys[:, None], values[:, None])
         head = chosen // k
         self.positions[..., :count] = owned_by_head(take_flat(pending.positions, chosen), head, heads, -1)

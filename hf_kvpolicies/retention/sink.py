@@ -153,7 +153,7 @@ class SinkRetention(RingRetention):
             rows, slots = arriving.nonzero(as_tuple=True)
             source = (position[rows, slots] - start).to(keys.device)
             rows, slots = rows.to(keys.device), slots.to(keys.device)
-            self.sink_keys[rows, :, slots] = keys[rows, :, source]
+            self.sink_keys[rows, :, slots] = keys[rows, :, source].to(self.sink_keys.dtype)  # kept in >= fp32
             self.sink_values[rows, :, slots] = values[rows, :, source]
             self._stale = True
 

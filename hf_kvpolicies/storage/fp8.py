@@ -284,14 +284,12 @@ class FP8Storage(Storage):
         q = keys.shape[-2]
         if q <= self.residual:
             return keys, values
-        old = q - self.residual
-        decoded_keys, decoded_values = self._dequantise(
-            *self._quantise(torch.cat([keys[:, :, :old], values[:, :, :old]], dim=-1))
-        )
-        return (
-            torch.cat([decoded_keys, keys[:, :, old:]], dim=-2),
-            torch.cat([decoded_values, values[:, :, old:]], dim=-2),
-        )
+        old = q - self.residual  # a scale per token and vector: nothing here depends on the slots
+
+        def rounded(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.format.dequantise(*self.format.quantise(x[:, :, :old]), x.dtype), x[:, :, old:]], dim=-2)
+
+        return rounded(keys), rounded(values)
 
     def reorder(self, batch_index: torch.Tensor) -> None:
         batch_index = batch_index.to(self.device)

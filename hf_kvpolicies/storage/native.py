@@ -38,10 +38,9 @@ class NativeStorage(Storage):
         elif slots.dim() == 1:
             self.keys.index_copy_(2, slots, keys)
             self.values.index_copy_(2, slots, values)
-        else:
-            index = expand_slots(slots, keys)
-            self.keys.scatter_(2, index, keys)
-            self.values.scatter_(2, index, values)
+        else:  # each by its own width (multi-head latent attention: keys wider than values)
+            self.keys.scatter_(2, expand_slots(slots, keys), keys)
+            self.values.scatter_(2, expand_slots(slots, values), values)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]
@@ -49,8 +48,7 @@ class NativeStorage(Storage):
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if slots.dim() == 1:
             return self.keys.index_select(2, slots), self.values.index_select(2, slots)
-        index = expand_slots(slots, self.keys)
-        return self.keys.gather(2, index), self.values.gather(2, index)
+        return self.keys.gather(2, expand_slots(slots, self.keys)), self.values.gather(2, expand_slots(slots, self.values))
 
     def reorder(self, batch_index: torch.Tensor) -> None:
         batch_index = batch_index.to(self.keys.device)
