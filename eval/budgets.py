@@ -1,8 +1,9 @@
 """Budget sweeps: each policy spec at each total budget (``--budgets``) or kept fraction (``--ratios``).
 
 A policy class says how a budget maps onto its keywords (``PolicyCache.budget_parameters``);
-``None`` means it keeps every token (full, FP8), and it runs once. A spec that already sets any
-of the keywords a budget would set keeps its own parameters and runs once as well. Nothing
+``None`` means it keeps every token (full, FP8), and it runs once. A spec that already sets a
+keyword that sizes the budget (``PolicyCache.budget_keys``) keeps its own parameters and runs
+once as well; keywords that only shape it (SnapKV's ``kernel``) override the budget's. Nothing
 here knows a policy by name.
 """
 
@@ -47,7 +48,7 @@ class PolicyRun:
         if budget is None:
             return self.policy
         name, given = parse_spec(self.policy)
-        items = [f"{key}={value}" for key, value in budget_keywords(name, budget).items()]
+        items = [f"{key}={value}" for key, value in budget_keywords(name, budget).items() if key not in given]
         items += [part for part in self.policy.partition(":")[2].split(",") if part.strip()]
         return f"{name}:{','.join(items)}"
 
@@ -58,10 +59,13 @@ def budget_keywords(name: str, budget: int) -> dict | None:
 
 
 def sweeps_budget(spec: str) -> bool:
-    """Whether a budget applies to ``spec``: its class maps budgets, and it sets none of the keys."""
+    """Whether a budget applies to ``spec``: its class maps budgets, and it sets none of the keys that size it."""
     name, given = parse_spec(spec)
     keywords = budget_keywords(name, 1)
-    return keywords is not None and not set(keywords) & set(given)
+    if keywords is None:
+        return False
+    sizing = getattr(policy_constructor(name), "budget_keys", None) or tuple(keywords)
+    return not set(sizing) & set(given)
 
 
 def expand(policies: list[str], budgets: tuple[int, ...] = (), ratios: tuple[float, ...] = ()) -> list[PolicyRun]:

@@ -225,9 +225,6 @@ class PolicyCache(Cache):
         self.sizes_differ_by_layer = False
         """True where layers of one attention type may hold different numbers of tokens (pyramid or
         adaptive layer budgets): each then needs its own mask (``masks``, with its attention hook)."""
-        self.per_head_masks = False
-        """True where layers hold their heads' tokens pooled (head-wise budgets): once tokens are held,
-        every forward needs per-head masks (``masks``), decode steps of unpadded batches included."""
         self.layer_masks: list[torch.Tensor] | None = None
         """Per layer, this forward's mask where layers return different numbers of keys (``masks``)."""
         from .masks import attach_mask_hook  # the hook module imports this one
@@ -256,6 +253,11 @@ class PolicyCache(Cache):
             )
         return inside
 
+    budget_keys: tuple[str, ...] | None = None
+    """The keywords of :meth:`budget_parameters` that size the budget (``None``: all of them); the
+    others shape how it is spent at that size. A spec that sets a sizing keyword keeps its own
+    budget; one that sets only shaping keywords (``snapkv:kernel=7``) is swept, keeping them."""
+
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int] | None:
         """The constructor keywords that spend a total of ``budget`` kept tokens per layer.
@@ -276,6 +278,13 @@ class PolicyCache(Cache):
     def static_layout(self) -> bool:
         """Whether every layer has a static decode step and one mask serves them all."""
         return all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def per_head_masks(self) -> bool:
+        """True where some layer shows a head or a row slots that it must not attend to (pooled heads;
+        rows with budgets of their own): once tokens are held, every forward needs exact masks
+        (``masks``), decode steps of unpadded batches included."""
+        return False
 
     @property
     def governed_layers(self) -> int:

@@ -105,6 +105,8 @@ def test_budgets_map_onto_each_policy_and_explicit_parameters_are_kept():
     ratio = PolicyRun("h2o:storage=fp8", ratio=0.25)
     assert ratio.spec(200) == "h2o:heavy=25,recent=25,storage=fp8" and ratio.budget_for(200) == 50
     assert sweeps_budget("h2o:storage=fp8") and not sweeps_budget("h2o:heavy=4") and not sweeps_budget("full")
+    assert sweeps_budget("snapkv:kernel=7") and not sweeps_budget("snapkv:budget=64")  # a shaping key keeps the sweep
+    assert PolicyRun("snapkv:kernel=7", budget=64).spec(64) == "snapkv:budget=64,window=16,kernel=7"
 
 
 @pytest.mark.parametrize("name", [n for n in available_policies() if policy_constructor(n).budget_parameters(16) is not None])

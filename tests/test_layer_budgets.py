@@ -71,14 +71,19 @@ def test_adaptive_budgets_keep_the_total_and_size_each_layer(make, one_thread):
     ids = random_ids(2, 80, seed=2)
     cache = make(model, layer_budgets="adaptive")
     logits = prefill_then_decode(model, ids, cache, prefill=60)
-    budgets = cache.layer_budget_sizes()
-    assert sum(budgets) == 4 * 16
+    by_row = cache.row_layer_budgets()  # each row ranks its own layers
+    budgets = cache.layer_budget_sizes()  # each layer sized for its largest row
+    assert len(by_row) == 2 and all(sum(row) == 4 * 16 for row in by_row)
+    assert budgets == [max(row[i] for row in by_row) for i in range(4)]
     # H2O's accumulated attention ranks a random model's tokens alike in every layer (by age): equal shares
-    assert len(set(budgets)) > 1 or isinstance(cache, H2OCache)
-    assert all(b >= layer.retention.protected for b, layer in zip(budgets, cache.layers))
+    assert any(len(set(row)) > 1 for row in by_row) or isinstance(cache, H2OCache)
+    assert all(b >= layer.retention.protected for row in by_row for b, layer in zip(row, cache.layers))
     assert [layer.storage.capacity for layer in cache.layers] == [b + 1 for b in budgets]
     assert [cache.stored_tokens(i) for i in range(4)] == budgets
     assert [tuple(layer.retention.kept_positions().shape) for layer in cache.layers] == [(2, 2, b) for b in budgets]
+    for row, row_budgets in enumerate(by_row):  # a row keeps its own budget in every layer and head
+        for layer, budget in zip(cache.layers, row_budgets):
+            assert ((layer.retention.kept_positions()[row] >= 0).sum(dim=-1) == budget).all()
     assert torch.isfinite(logits).all()
     short = make(model, layer_budgets="adaptive")  # a prompt within the budget: nothing to share
     prefill_then_decode(model, ids[:, :30], short, prefill=10)

@@ -394,19 +394,35 @@ def test_specs_and_budget_parameters():
     assert (cache.budget, cache.window, cache.kernel, cache.pooling, cache.layer_budgets) == (64, 16, 5, "avg", "pyramid")
     assert isinstance(from_spec(model, "tova:budget=32,storage=fp8"), TOVACache)
     assert from_spec(model, "knorm:budget=32,recent=4").recent == 4
-    assert SnapKVCache.budget_parameters(256) == {"budget": 256, "window": 32}
-    assert SnapKVCache.budget_parameters(16) == {"budget": 16, "window": 16}
+    assert SnapKVCache.budget_parameters(256) == {"budget": 256, "window": 32, "kernel": 21}
+    assert SnapKVCache.budget_parameters(16) == {"budget": 16, "window": 4, "kernel": 3}
     assert TOVACache.budget_parameters(256) == {"budget": 256}
-    assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 8}
+    assert KNormCache.budget_parameters(8) == {"budget": 8, "recent": 2}
     for name in ("snapkv", "tova", "knorm"):
         assert name in available_policies()
     from eval.benchmarks.eviction import contender
 
     assert SnapKVCache(model, budget=64).kernel == 21  # the needles' measured width (policies/snapkv.py)
     named = contender("snapkv-k7", 64)  # the eviction benchmark's SnapKV at the paper's kernel 7
-    assert named.label == "snapkv-k7 budget=64,window=32,kernel=7"
+    assert named.label == "snapkv-k7 budget=64,window=16,kernel=7"  # the variant's kernel wins
     built = named.make(model)
-    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 32, 7)
+    assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 16, 7)
+
+
+@pytest.mark.parametrize("cls, protected", [(SnapKVCache, "window"), (KNormCache, "recent")])
+def test_small_budgets_keep_the_policy_a_policy(cls, protected, one_thread):
+    """At every budget most of it is chosen by the statistic: the protected newest tokens are at
+    most a quarter of it, so a budget sweep never measures a sliding window under another name."""
+    for budget in range(1, 600):
+        parameters = cls.budget_parameters(budget)
+        assert parameters["budget"] == budget and parameters[protected] <= max(1, budget // 4)
+        assert parameters.get("kernel", 1) <= max(1, budget // 8) | 1  # pooling spans an eighth at most
+    model = peaked(tiny_llama(), factor=8.0)
+    ids = random_ids(1, 80, seed=9)
+    cache = cls(model, **cls.budget_parameters(16))
+    prefill_then_decode(model, ids, cache, prefill=40)
+    kept = cache.layers[0].retention.kept_positions()
+    assert not torch.equal(kept, torch.arange(80 - 16, 80).expand_as(kept))  # not the newest 16: no window
 
 
 @pytest.mark.parametrize("policy", ["h2o:heavy=4,recent=4", "snapkv:budget=16,window=4", "tova:budget=16"])

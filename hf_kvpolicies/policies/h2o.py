@@ -46,6 +46,8 @@ class H2OCache(ScoredCache):
         self.heavy, self.recent = heavy, recent
         super().__init__(model, lambda: H2ORetention(heavy, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
 
+    budget_keys = ("heavy", "recent")
+
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
         """Half heavy hitters, half recent tokens (the paper's even split)."""

@@ -42,4 +42,6 @@ class KNormCache(ScoredCache):
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
-        return {"budget": budget, "recent": min(RECENT, budget)}
+        """``budget`` kept tokens, the protected recent ones among them: the default count, but never
+        more than a quarter of the budget, so that most of it is chosen by key norm at every budget."""
+        return {"budget": budget, "recent": min(RECENT, budget // 4)}

@@ -31,7 +31,7 @@ from ..attention_scores import MASK_FORMATS, attach_query_hook, check_attention_
 from ..cache import PolicyCache
 from ..masks import CACHE_KWARGS, attach_layer_mask_hook, decoder_of
 from ..model_layout import layer_layouts
-from ..retention.layer_budgets import adaptive_budgets, pyramid_budgets
+from ..retention.layer_budgets import adaptive_budgets, budgets_by_row, pyramid_budgets
 from ..retention.scored import HEAD_BUDGETS, Pending, ScoredRetention
 from ..storage import StorageFactory
 from ..validation import check_choice
@@ -91,10 +91,12 @@ class ScoredCache(PolicyCache):
         self.layer_budgets, self.head_budgets = layer_budgets, head_budgets
         super().__init__(model, make, storage=storage)
         attach_finish_hook(model)
-        self.per_head_masks = head_budgets == "adaptive"
-        if layer_budgets != "uniform" or self.per_head_masks:
+        if layer_budgets != "uniform" or head_budgets == "adaptive":
             self.sizes_differ_by_layer = True
             attach_layer_mask_hook(model)  # layers then return different numbers of keys, or per-head ones
+
+    budget_keys = ("budget",)
+    """``budget`` sizes it; a protected window, sinks or a pooling width only shape it."""
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
@@ -114,18 +116,28 @@ class ScoredCache(PolicyCache):
             return
         retentions = [layer.retention for layer in waiting]
         self.rescore([retention.pending for retention in retentions])
-        budgets = [retention.budget for retention in retentions]
-        over = any(retention.pending.positions.shape[-1] > retention.budget for retention in retentions)
-        if self.layer_budgets == "adaptive" and over and len(waiting) == len(self.scored_layers()):
-            # (a forward that fits every layer, pending only because pooled heads always trim, keeps the budgets)
-            reserve = [max(1, retention.protected) for retention in retentions]
-            candidates = [retention.candidate_scores() for retention in retentions]
-            budgets = self.adaptive_rule(candidates, reserve, sum(budgets), pooled=self.head_budgets == "adaptive")
+        budgets: list = [retention.row_budgets or retention.budget for retention in retentions]
+        if self.layer_budgets == "adaptive" and len(waiting) == len(self.scored_layers()):
+            # per row, by layer: the budgets and protected tokens it resolved to, from its own tokens
+            lengths = retentions[0].real_lengths()
+            fitting = [[r.budget if r.row_budgets is None else r.row_budgets[row] for r in retentions] for row in range(len(lengths))]
+            protected = [[r.protected if r.row_protected is None else int(r.row_protected[row]) for r in retentions] for row in range(len(lengths))]
+            # a row whose tokens fit every layer (pending only because pooled heads always trim) keeps them
+            over = [any(length > budget for budget in row) for length, row in zip(lengths, fitting)]
+            if any(over):
+                reserve = [[max(1, p) for p in row] for row in protected]
+                candidates = [retention.candidate_scores() for retention in retentions]
+                budgets = budgets_by_row(self.adaptive_rule, candidates, reserve, fitting, over, self.head_budgets == "adaptive")
         for layer, budget in zip(waiting, budgets):
             layer.retention.defers_trim = self.defer_every_prefill
             layer.retention.finish(layer.storage, budget)
         for layer in self.layers:  # the trims (and rescoring) may have replaced the static state
             layer.enter_static_if_ready()
+
+    @property
+    def per_head_masks(self) -> bool:
+        """Pooled heads show each head its own slots; rows with their own budgets leave slots unused."""
+        return self.head_budgets == "adaptive" or any(r.row_budgets is not None for r in self.scored_layers())
 
     def static_layout(self) -> bool:
         """Pyramid and adaptive budgets give layers different sizes, which one static mask cannot serve;
@@ -133,8 +145,15 @@ class ScoredCache(PolicyCache):
         return self.layer_budgets == "uniform" and self.head_budgets == "uniform" and super().static_layout()
 
     def layer_budget_sizes(self) -> list[int | None]:
-        """Each scored layer's budget (``None`` until the first forward fixes it)."""
+        """Each scored layer's budget (``None`` until the first forward fixes it): the largest row's,
+        where rows have their own (adaptive budgets: :meth:`row_layer_budgets`)."""
         return [retention.budget for retention in self.scored_layers()]
+
+    def row_layer_budgets(self) -> list[list[int | None]]:
+        """Per row, each scored layer's budget (adaptive budgets rank each row's layers apart)."""
+        layers = self.scored_layers()
+        rows = next((r.positions.shape[0] for r in layers if r.positions is not None), 1)
+        return [[r.budget if r.row_budgets is None else r.row_budgets[row] for r in layers] for row in range(rows)]
 
 
 def attach_finish_hook(model: nn.Module) -> None:

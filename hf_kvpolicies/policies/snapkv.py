@@ -66,5 +66,9 @@ class SnapKVCache(ScoredCache):
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:
-        """``budget`` kept tokens, the default observation window among them (smaller if it must be)."""
-        return {"budget": budget, "window": min(WINDOW, budget)}
+        """``budget`` kept tokens, the observation window among them: the default window and kernel,
+        but the window never more than a quarter of the budget and the pooling never wider than an
+        eighth of it, so that at every budget most of it is chosen by score (a window as large as
+        the budget, or pooling that spans every kept token and ties them all, would keep the
+        newest tokens: a sliding window under SnapKV's name)."""
+        return {"budget": budget, "window": min(WINDOW, max(1, budget // 4)), "kernel": min(KERNEL, max(1, budget // 8) | 1)}

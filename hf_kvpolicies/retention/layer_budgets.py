@@ -6,6 +6,8 @@ protected tokens (and at least one token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 PYRAMID_BETA = 20
@@ -82,6 +84,25 @@ def busiest_head_budgets(candidates: list[torch.Tensor], reserve: list[int], tot
     busiest = [float(n) for n in demand]  # plain numbers: decided once per prompt, on the host
     counts = _apportion(busiest, spare)
     return [min(int(size), r + c) for size, r, c in zip(sizes, reserve, counts)]
+
+
+AdaptiveRule = Callable[..., list[int]]
+"""``rule(candidates, reserve, total, pooled=...)``: the layer budgets of one row (as
+:func:`adaptive_budgets` and :func:`busiest_head_budgets`)."""
+
+
+def budgets_by_row(
+    rule: AdaptiveRule, candidates: list[torch.Tensor], reserve: list[list[int]], fitting: list[list[int]], over: list[bool], pooled: bool
+) -> list[list[int]]:
+    """Per layer, each row's budget: every row ranks its own layers' tokens (``rule`` on that row
+    alone, with its ``reserve`` and the total of its ``fitting`` budgets), so a row of a batch gets
+    the budgets it gets alone, whatever its neighbours; a row whose tokens fit every layer (``over``
+    false) keeps ``fitting``, its budgets where nothing competes. Arguments are per row, by layer."""
+    by_row = [
+        rule([scores[row : row + 1] for scores in candidates], reserve[row], sum(fitting[row]), pooled=pooled) if over[row] else fitting[row]
+        for row in range(len(over))
+    ]
+    return [list(layer) for layer in zip(*by_row)]
 
 
 def _apportion(shares: list[float], total: int) -> list[int]:

@@ -12,7 +12,7 @@ expanded to every head (a view, no copy) under a per-head mask that shows each h
 
 This module holds the two decisions that differ from the per-head layout, as pure functions of
 ``positions`` and ranking scores ``[batch, heads, k]`` (``-inf``: no token, ``+inf``: protected):
-which tokens a trim keeps (:func:`pooled_best`) and which slots a decode step frees
+which tokens a trim keeps, best first (:func:`pooled_ranking`) and which slots a decode step frees
 (:func:`pooled_victims`). Ties go as in the per-head layout: a trim keeps the newest, an eviction
 takes the oldest, and among copies of one position the lower head index stays (trim) or goes
 (eviction) first.
@@ -23,14 +23,13 @@ from __future__ import annotations
 import torch
 
 
-def pooled_best(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> torch.Tensor:
-    """``[batch, count]`` indices into the flattened ``heads x k`` candidates that a trim keeps,
-    ascending: the best ranks of every head together, the newest position, then the lower head
-    index among ties."""
+def pooled_ranking(positions: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads x k]`` indices into the flattened candidates in the order a trim keeps them:
+    the best ranks of every head together, the newest position, then the lower head index among ties."""
     flat_positions, flat_ranked = positions.flatten(1), ranked.flatten(1)
     order = flat_positions.argsort(dim=-1, descending=True, stable=True)  # head-major, so lower heads first
-    order = order.gather(-1, flat_ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
-    return order[..., :count].sort(dim=-1).values
+    return order.gather(-1, flat_ranked.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+
 
 
 def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) -> torch.Tensor:

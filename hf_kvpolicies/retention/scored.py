@@ -51,9 +51,13 @@ import torch
 from ..storage import Storage
 from ..storage.base import SlotIndex, expand_slots
 from .base import Retention
-from .pooled_heads import owned_by_head, pooled_best, pooled_victims, take_flat
+from .pooled_heads import owned_by_head, pooled_ranking, pooled_victims, take_flat
 
 HEAD_BUDGETS = ("uniform", "adaptive")
+UNUSED = -2
+"""Position of a slot that a row's own budget leaves unused: with budgets per row (adaptive layer
+budgets rank each row's layers apart) a layer's storage is sized for its largest row, and the
+others' extra slots stay empty for good: masked like an empty slot (``-1``), never written."""
 
 
 @dataclass
@@ -117,6 +121,12 @@ class ScoredRetention(Retention):
         self.protected: int | None = None
         """Tokens kept per (row, head), and how many of the newest are never evicted; fixed at the
         first update (:meth:`resolve`), or by the cache (:meth:`finish`) for adaptive budgets."""
+        self.row_budgets: list[int] | None = None
+        """Each row's own budget where the rows' differ (adaptive layer budgets; fractions of rows of
+        different lengths); ``budget`` is then the largest, which sizes the storage, and every other
+        row leaves its extra slots ``UNUSED``."""
+        self.row_protected: torch.Tensor | None = None
+        """``[batch, 1, 1]`` each row's ``protected`` where the rows' differ (``protected``: the largest)."""
         self.protected_from = 0
         """The first position the protection covers: a statistic whose prompt scores must rank every
         prompt token (KVzip's reconstruction) sets it past the prompt, so only later tokens are protected."""
@@ -181,6 +191,8 @@ class ScoredRetention(Retention):
             return self.free if q == 1 and self.positions is not None else None
         if self.has_free:
             return self.free if q == 1 else None
+        if self.row_budgets is not None and self.positions is None:
+            return None  # a first forward of rows with their own budgets: each row trims to its own
         return self.live if self.live + q <= self.budget + 1 else None
 
     def select(self, positions: torch.Tensor) -> torch.Tensor:
@@ -269,10 +281,14 @@ class ScoredRetention(Retention):
         self.scores = self.scores.index_select(0, batch_index)
         self.free = self.free.index_select(0, batch_index)
         self.extra = {name: t.index_select(0, batch_index) for name, t in self.extra.items()}
+        if self.row_budgets is not None:
+            self.row_budgets = [self.row_budgets[i] for i in batch_index.tolist()]
+        if self.row_protected is not None:
+            self.row_protected = self.row_protected.index_select(0, batch_index)
 
     def reset(self) -> None:
         super().reset()
-        self.budget = self.protected = None
+        self.budget = self.protected = self.row_budgets = self.row_protected = None
         self.protected_from = 0
         self.positions = self.scores = self.free = self._padding = self.live_t = None
         self.extra = {}
@@ -291,11 +307,10 @@ class ScoredRetention(Retention):
                 "the model it was built for (its constructor installs the hook that finishes each forward)"
             )
         query, scaling = self._take_query(q) if self.needs_queries else (None, 1.0)
-        if self.budget is None:
-            self.budget, self.protected = self.resolve(keys.shape[-2])
-            if self.layer_budget is not None:
-                self.budget = self.layer_budget(self.budget, self.protected)
         new_positions = self._new_positions(keys, q)
+        if self.budget is None:
+            real = [q] * keys.shape[0] if isinstance(new_positions, int) else (new_positions[:, 0] >= 0).sum(-1).tolist()
+            self._resolve_rows(real, keys.device)
         slots = self.plan(q)
         if slots is None:
             return self._attend_then_score(storage, keys, values, new_positions, query, scaling)
@@ -315,12 +330,34 @@ class ScoredRetention(Retention):
             self.has_free = True
         return all_keys, all_values
 
-    def finish(self, storage: Storage, budget: int | None = None) -> None:
-        """Trim the pending forward to ``budget`` (the layer's own, set by the cache) or the current one."""
+    def finish(self, storage: Storage, budget: int | list[int] | None = None) -> None:
+        """Trim the pending forward to ``budget`` (the layer's own, set by the cache; one per row
+        where the rows' differ) or the current one."""
         pending, self.pending = self.pending, None
-        if budget is not None:
+        if isinstance(budget, list):
+            self.budget = max(budget)
+            self.row_budgets = budget if len(set(budget)) > 1 else None
+        elif budget is not None:
             self.budget = budget
         self._trim(storage, pending)
+
+    def _resolve_rows(self, lengths: list[int], device: torch.device) -> None:
+        """``budget`` and ``protected`` from the first forward: each row's from its own tokens (a
+        budget given as a fraction of the prompt is a fraction of the row's, pads left out), so
+        that a row of a padded batch keeps what it keeps alone; the largest sizes the storage."""
+        resolved = []
+        for length in lengths:
+            budget, protected = self.resolve(length)
+            resolved.append((self.layer_budget(budget, protected) if self.layer_budget is not None else budget, protected))
+        budgets, protected = (list(values) for values in zip(*resolved))
+        self.budget, self.protected = max(budgets), max(protected)
+        if len(set(resolved)) > 1:
+            self.row_budgets = budgets
+            self.row_protected = torch.tensor(protected, device=device).view(-1, 1, 1)
+
+    def real_lengths(self) -> list[int]:
+        """Tokens of each row in the pending forward (pads and empty slots left out)."""
+        return (self.pending.positions[:, 0] >= 0).sum(dim=-1).tolist()
 
     # --- the static decode step (unpadded batches, uniform budgets) -------------------------------
     compileable = True
@@ -397,7 +434,7 @@ class ScoredRetention(Retention):
     def _attended(self, keys, new_keys, slots, query, scaling, positions) -> Attended:
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
-        if not self.padded and not self.pooled:  # pooled: a head sees only the slots it owns
+        if not self.padded and not self.pooled and self.row_budgets is None:  # else some slots hold no token of a head or row
             return Attended(keys, new_keys, first_new, slots, query, scaling)
         query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
         return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask)
@@ -501,12 +538,14 @@ class ScoredRetention(Retention):
             return
         count = min(self.budget, pending.positions.shape[-1])
         ranked = self.selection_scores(pending.positions, pending.scores)
-        stay = self._best(pending.positions, ranked, count)
+        stay, unused = self._per_row(self._best_first(pending.positions, ranked)[..., :count], pending.positions.shape[-1])
         keys, values = pending.to_store
         if not storage.is_allocated:
             self._allocate(storage, keys, self.budget + 1, value_dim=values.shape[-1])
         storage.write(0, keys.gather(2, expand_slots(stay, keys)), values.gather(2, expand_slots(stay, values)))
         self.positions[..., :count] = pending.positions.gather(-1, stay)
+        if unused is not None:
+            self.positions[..., :count].masked_fill_(unused, UNUSED)
         self.positions[..., count:] = -1
         self.scores[..., :count] = pending.scores.gather(-1, stay)
         for name, t in self.extra.items():
@@ -521,7 +560,7 @@ class ScoredRetention(Retention):
         batch, heads, k = pending.positions.shape
         count = min(self.budget * heads, heads * k)
         ranked = self._evictable(pending.positions, self.selection_scores(pending.positions, pending.scores))
-        chosen = pooled_best(pending.positions, ranked, count)
+        chosen, unused = self._per_row(pooled_ranking(pending.positions, ranked)[..., :count], heads * k, per_row=heads)
         capacity = heads * (self.budget + 1)
         if not storage.is_allocated or storage.capacity != capacity:
             self._allocate(storage, pending.keys[:, :1], capacity, heads, value_dim=pending.values.shape[-1])
@@ -529,6 +568,8 @@ class ScoredRetention(Retention):
         storage.write(0, keys[:, None], values[:, None])
         head = chosen // k
         self.positions[..., :count] = owned_by_head(take_flat(pending.positions, chosen), head, heads, -1)
+        if unused is not None:  # a slot no row of its own budget uses belongs to no head
+            self.positions[..., :count].masked_fill_(unused[:, None], UNUSED)
         self.positions[..., count:] = -1
         self.scores[..., :count] = owned_by_head(take_flat(pending.scores, chosen), head, heads, 0.0)
         for name, t in self.extra.items():
@@ -558,6 +599,8 @@ class ScoredRetention(Retention):
         seen = Attended(all_keys, keys, self.live - 1, slots, query, scaling, real, query_mask)
         self.scores = self.score(seen, self.scores, self.extra)
         ranked = self._evictable(self.positions, self.selection_scores(self.positions, self.scores), real=real)
+        if self.row_budgets is not None:  # a row's unused slots are never freed, so never written
+            ranked = ranked.masked_fill(self.positions == UNUSED, float("inf"))
         victims = pooled_victims(self.positions, ranked, heads)  # victim i becomes head i's free slot
         self.free = victims.unsqueeze(-1)
         # the freed slots hold no token for any head (scores and state are reset when written)
@@ -574,16 +617,31 @@ class ScoredRetention(Retention):
     ) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
         ranked = self._evictable(positions, scores, seen, every_slot_held=every_slot_held)
+        if self.row_budgets is not None:  # a row's unused slots never take a token
+            ranked = ranked.masked_fill(positions == UNUSED, float("inf"))
         lowest = ranked == ranked.amin(dim=-1, keepdim=True)
         return torch.where(lowest, positions, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
 
-    def _best(self, positions: torch.Tensor, scores: torch.Tensor, count: int) -> torch.Tensor:
-        """Indices (ascending) of the ``count`` tokens that stay: the protected ones, then the best
-        scores, the newest position among ties (ties are common after max pooling)."""
+    def _best_first(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Indices of the tokens in the order they stay: the protected ones, then the best scores,
+        the newest position among ties (ties are common after max pooling)."""
         newest_first = positions.argsort(dim=-1, descending=True, stable=True)
         ranked = self._evictable(positions, scores).gather(-1, newest_first)
-        best = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :count]
-        return newest_first.gather(-1, best).sort(dim=-1).values
+        return newest_first.gather(-1, ranked.sort(dim=-1, descending=True, stable=True).indices)
+
+    def _per_row(self, best: torch.Tensor, width: int, per_row: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``best`` indices (best first, ``[batch, ..., count]``) that stay, ascending, and where
+        rows keep fewer than ``count`` (their own budgets, ``per_row`` slots per token of budget),
+        which of the returned slots each row leaves unused; ``None`` when every row keeps them all.
+        Unused slots come first, so that each row's kept tokens end the write as they do when the
+        row is alone (storage that treats the last writes apart, fp8's residual, then holds the
+        same tokens). ``width``: one past the largest index."""
+        if self.row_budgets is None:
+            return best.sort(dim=-1).values, None
+        kept = torch.tensor(self.row_budgets, device=best.device).mul_(per_row).view(-1, *[1] * (best.dim() - 1))
+        unused = torch.arange(best.shape[-1], device=best.device) >= kept
+        order = (best + (~unused) * width).sort(dim=-1).indices
+        return best.gather(-1, order), unused.expand_as(best).gather(-1, order)
 
     def _evictable(
         self,
@@ -600,7 +658,8 @@ class ScoredRetention(Retention):
         seen = self.seen if seen is None else seen
         ranked = scores
         if self.protected:  # no position lies past seen - 1: with nothing protected, nothing to raise
-            oldest = seen - self.protected  # the oldest protected position, never below protected_from
+            protected = self.protected if self.row_protected is None else self.row_protected
+            oldest = seen - protected  # the oldest protected position, never below protected_from
             if self.protected_from:
                 oldest = oldest.clamp(min=self.protected_from) if isinstance(oldest, torch.Tensor) else max(oldest, self.protected_from)
             ranked = ranked.masked_fill(positions >= oldest, float("inf"))
