@@ -8,10 +8,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.utils import logging
 
-from .model_layout import LayerLayout, layer_layouts
+from .model_layout import LayerLayout, layer_layouts, max_positions
 from .retention import Retention, RingRetention
 from .storage import Storage, StorageFactory, storage_factory
+
+logger = logging.get_logger(__name__)
 
 RetentionFactory = Callable[[LayerLayout], Retention]
 """Builds the policy's retention for one decoder layer."""
@@ -83,6 +86,11 @@ class PolicyLayer(CacheLayerMixin):
         self.is_initialized = True
         self.device = key_states.device
 
+    @property
+    def rows(self) -> int | None:
+        """Rows of the batch this layer holds (``None`` before the first update)."""
+        return self.storage.rows if self.storage.is_allocated else None
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,11 +122,12 @@ class PolicyLayer(CacheLayerMixin):
 
     def kept(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Keys and values of the tokens kept (``[batch, heads, kept, dim]``; ``None`` before the
-        first update, as ``DynamicLayer``'s)."""
+        first update, as ``DynamicLayer``'s; with pooled heads, each head's tokens in position
+        order, zeros where a head keeps fewer than the busiest: ``Retention.kept_tokens``)."""
         if not self.storage.is_allocated:
             return None, None
         self.host_state()
-        return self.storage.gather(self.retention.kept_slots().to(self.storage.device))
+        return self.retention.kept_tokens(self.storage)
 
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens seen: a host int, or (inside a compiled step and after one, as ``StaticLayer``)
@@ -161,8 +170,7 @@ class PolicyLayer(CacheLayerMixin):
         self.reorder_cache(indices)
 
     def storage_batch_size(self) -> int:
-        keys, _ = self.storage.read(0)
-        return keys.shape[0]
+        return self.storage.rows
 
     def crop(self, tokens_to_remove: int) -> None:
         self.host_state()
@@ -209,15 +217,25 @@ class PolicyCache(Cache):
             )
         make_storage = storage_factory(storage)
         self.layouts = layer_layouts(model)
+        positions = max_positions(model)
         every_layer_slides = all(layout.is_sliding for layout in self.layouts)
-        layers, self.governed = [], []
+        layers, self.governed, capped = [], [], False
         for layout in self.layouts:
             if layout.is_sliding and not every_layer_slides:
                 layer_retention, governed = RingRetention.model_window(layout.sliding_window), False
             else:
                 layer_retention, governed = self._policy_retention(model, retention, layout), True
+            if governed and positions is not None:
+                capped = layer_retention.limit_to(positions) or capped
             layers.append(PolicyLayer(layer_retention, make_storage))
             self.governed.append(governed)
+        if positions is not None:
+            layers[0].storage.check_positions(positions)
+        if capped:
+            logger.warning(
+                f"{type(self).__name__}: its budget exceeds the {positions} positions of {model.config.model_type}; "
+                f"each layer keeps (and allocates) at most {positions} tokens"
+            )
         super().__init__(layers=layers)
         self.storage = storage
         self.padded: bool | None = None
@@ -292,11 +310,23 @@ class PolicyCache(Cache):
         return sum(self.governed)
 
     # --- the model that runs the cache -------------------------------------------------------
-    def announce_forward(self, model_token: str) -> None:
-        """Called by the mask hook before each forward of a model that carries it."""
+    def announce_forward(self, model_token: str, rows: int | None = None) -> None:
+        """Called by the mask hook before each forward of a model that carries it (``rows``: the
+        forward's batch size, refused before anything is written if the cache holds another)."""
         if model_token != self.model_token:
             raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        if rows is not None:
+            self.check_rows(rows)
         self._announced = True
+
+    def check_rows(self, rows: int) -> None:
+        """``ValueError`` for a forward whose batch is not the one the cache holds."""
+        held = next((layer.rows for layer in self.layers if layer.rows is not None), None)
+        if held is not None and held != rows:
+            raise ValueError(
+                f"this {type(self).__name__} holds a batch of {held} rows and this forward brings {rows}: call "
+                f"cache.reset() (or build a new cache) before using it for another batch"
+            )
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """transformers asks while it builds a forward's masks (inside the forward, or, for a
@@ -319,6 +349,8 @@ class PolicyCache(Cache):
         no masks, are the caller's business); the last layer closes the forward."""
         if layer_idx == 0 and self._masks_built and not self._announced:
             raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
+        if layer_idx == 0:
+            self.check_rows(key_states.shape[0])
         if layer_idx == len(self.layers) - 1:
             self._announced = self._masks_built = False
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -61,15 +61,15 @@ def _exact_mask_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
     if not isinstance(cache, PolicyCache):
         return None
-    cache.announce_forward(getattr(module, TOKEN_ATTRIBUTE, None))
-    cache.layer_masks = None
-    if all(layer.retention.in_position_order for layer in cache.layers):
-        return None
-    padding = kwargs.get("attention_mask")
     embeds = kwargs.get("inputs_embeds")
     inputs = kwargs.get("input_ids") if embeds is None else embeds
     if inputs is None:
         inputs = args[0]
+    cache.announce_forward(getattr(module, TOKEN_ATTRIBUTE, None), inputs.shape[0])
+    cache.layer_masks = None
+    if all(layer.retention.in_position_order for layer in cache.layers):
+        return None
+    padding = kwargs.get("attention_mask")
     query_length = inputs.shape[1]
     if query_length > 1 and cache.get_seq_length() == 0:
         padding = prompt_padding(padding)

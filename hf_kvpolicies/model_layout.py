@@ -47,3 +47,9 @@ def layer_layouts(model_or_config: PreTrainedModel | PretrainedConfig) -> list[L
         LayerLayout(index, layer_type, layer_kwargs.get("sliding_window"))
         for index, (layer_type, layer_kwargs) in enumerate(zip(layer_types, kwargs))
     ]
+
+
+def max_positions(model_or_config: PreTrainedModel | PretrainedConfig) -> int | None:
+    """The most positions the model was built for (``max_position_embeddings``), if it says."""
+    value = getattr(text_config(model_or_config), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None

@@ -68,16 +68,22 @@ def from_spec(model: PreTrainedModel, spec: str) -> Cache:
 
 
 def _keyword_parameters(constructor: PolicyConstructor) -> dict[str, Any]:
-    """Parameters after the model, with their resolved annotations."""
+    """Parameters after the model, with their resolved annotations; an unannotated parameter takes
+    its default's type (a string where it has no default, or ``None``)."""
     target = constructor.__init__ if inspect.isclass(constructor) else constructor
     hints = typing.get_type_hints(target)
     parameters = list(inspect.signature(target).parameters.values())
     parameters = parameters[2:] if inspect.isclass(constructor) else parameters[1:]
     return {
-        p.name: hints.get(p.name, str)
+        p.name: hints.get(p.name, _default_type(p))
         for p in parameters
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
+
+
+def _default_type(parameter: inspect.Parameter) -> type:
+    default = parameter.default
+    return str if default is parameter.empty or default is None else type(default)
 
 
 def _convert(policy: str, key: str, raw: str, annotation: Any) -> Any:

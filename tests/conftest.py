@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# no test reaches the Hub: fail at once instead of retrying (before huggingface_hub reads it)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from pathlib import Path
 
 import pytest

@@ -125,12 +125,22 @@ def test_every_policy_iterates_over_what_it_keeps(name):
     if "tokenizer" in inspect.signature(constructor).parameters:
         kwargs["tokenizer"] = char_tokenizer()  # KVzip writes its repeat prompt with it
     cache = constructor(model, **kwargs)
-    if getattr(cache, "head_budgets", "uniform") == "adaptive":  # pooled heads keep ragged rows: no tensor holds them
-        prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
-        with pytest.raises(ValueError, match="kept_positions"):
-            list(cache)
+    ids = random_ids(2, 20)
+    if getattr(cache, "head_budgets", "uniform") == "adaptive":  # pooled heads: each head keeps its own count
+        prefill_then_decode(model, ids, cache, prefill=12)
+        reference = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids, cache=reference)
+        for (keys, values, window), layer, ref in zip(cache, cache.layers, reference.layers):
+            positions = layer.retention.kept_positions()[..., -keys.shape[2] :]  # right-aligned, -1 in front
+            assert keys.shape[:3] == values.shape[:3] == positions.shape and window is None
+            assert keys.shape[2] == int((positions >= 0).sum(-1).max())  # as many as the busiest head keeps
+            assert bool((keys[positions < 0] == 0).all())
+            if layer is cache.layers[0]:  # the first layer's keys depend on the tokens alone
+                expected = ref.keys.gather(2, positions.clamp(min=0)[..., None].expand_as(keys))
+                torch.testing.assert_close(keys[positions >= 0], expected[positions >= 0])
         cache = constructor(model, **kwargs, head_budgets="uniform")
-    prefill_then_decode(model, random_ids(2, 20), cache, prefill=12)
+    prefill_then_decode(model, ids, cache, prefill=12)
     layers = list(cache)
     assert len(layers) == 2
     for index, (keys, values, window) in enumerate(layers):
@@ -154,3 +164,23 @@ def test_numpy_integers_are_integers():
     assert (sink.sink_tokens, sink.window) == (2, 4)
     with pytest.raises(ValueError, match="window must be an integer >= 1, got True"):
         SlidingWindowCache(model, window=True)
+
+
+@pytest.mark.parametrize("name", available_policies())
+def test_a_cache_refuses_another_batch_size_before_writing(name):
+    model = tiny_llama()
+    constructor = policy_constructor(name)
+    kwargs = constructor.budget_parameters(8) or {}
+    if "tokenizer" in inspect.signature(constructor).parameters:
+        kwargs["tokenizer"] = char_tokenizer()
+    cache = constructor(model, **kwargs)
+    prefill_then_decode(model, random_ids(3, 12), cache, prefill=10)
+    seen, kept = cache.get_seq_length(), [layer.kept() for layer in cache.layers]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"holds a batch of 3 rows and this forward brings 1: call cache.reset\(\)"):
+        model(random_ids(1, 1), cache=cache)
+    assert cache.get_seq_length() == seen  # nothing was written
+    for layer, (keys, values) in zip(cache.layers, kept):
+        torch.testing.assert_close(layer.kept()[0], keys, atol=0, rtol=0)
+    cache.reset()
+    prefill_then_decode(model, random_ids(1, 12), cache, prefill=10)
+    assert cache.get_seq_length() == 12

@@ -265,3 +265,13 @@ def test_sinks_stay_in_every_head_where_their_scores_alone_would_evict_them(head
 
     assert all(kept_sinks(SINKS))
     assert not all(kept_sinks(0))
+
+
+def test_a_tokenizer_that_is_none_is_refused_naming_the_fix(tmp_path):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="none loads from tokenizer='notatok'.*Hub id or local folder"):
+        KVzipCache(model, budget=16, tokenizer="notatok")
+    with pytest.raises(ValueError, match="not int: pass tokenizer="):
+        KVzipCache(model, budget=16, tokenizer=3)
+    TOKENIZER.save_pretrained(tmp_path)
+    assert KVzipCache(model, budget=16, tokenizer=str(tmp_path)).prompt == KVzipCache(model, budget=16, tokenizer=TOKENIZER).prompt

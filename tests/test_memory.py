@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 from helpers import prefill_then_decode
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 
-from hf_kvpolicies import FullCache, SlidingWindowCache
+from hf_kvpolicies import FullCache, SlidingWindowCache, from_spec
+from hf_kvpolicies.storage import NativeStorage
 
 POSITION_BYTES = 8  # one int64 absolute position per slot, kept by the retention
 
@@ -50,3 +54,34 @@ def test_mixed_model_counts_sliding_layers_at_the_model_window():
     prefill_then_decode(model, random_ids(1, 30), cache, prefill=30)
     sliding = analytic(1, 1, 16, model.config.sliding_window, 4)  # ring of window - 1 kept + 1 slot
     assert cache.get_memory_footprint() == 2 * sliding + analytic(1, 1, 16, 30, 4)  # the prompt's 30 tokens exactly
+
+
+@pytest.mark.parametrize("spec", [
+    "window:window=99999999999999999999",
+    "window:window=1000000000",
+    "sink:sink_tokens=4,window=100000000000",
+    "tova:budget=100000000",
+    "h2o:heavy=100000000,recent=5",
+    "knorm:budget=100000000,layer_budgets=adaptive",
+    "full:max_length=100000000",
+])
+def test_budgets_beyond_the_models_positions_allocate_no_more_than_them(spec, caplog):
+    """A budget the model cannot use (its 512 positions) is capped there, saying so: a 2-token
+    prompt allocates at most 513 slots per layer (a pre-sized full cache 512), never the budget."""
+    model = tiny_llama()  # max_position_embeddings=512
+    with caplog.at_level(logging.WARNING):
+        cache = from_spec(model, spec)
+    assert "exceeds the 512 positions of llama; each layer keeps (and allocates) at most 512 tokens" in caplog.text
+    prefill_then_decode(model, random_ids(1, 3), cache, prefill=2)
+    assert all(layer.storage.capacity <= 513 for layer in cache.layers)
+    assert cache.get_memory_footprint() <= 2 * (2 * 2 * 513 * 16 * 4 + 2 * 513 * (8 + 4) + 2 * 8) + 2 * 513 * 8
+
+
+def test_storage_no_model_can_use_is_refused_at_construction():
+    with pytest.raises(ValueError, match="residual=1000000000 exceeds the 512 positions of the model.*give residual <= 512"):
+        from_spec(tiny_llama(), "fp8:residual=1000000000")
+
+
+def test_an_allocation_the_device_cannot_hold_names_its_bytes():
+    with pytest.raises(ValueError, match=r"the keys of 1000000000000 slots asks for 128,000,000,000,000 bytes .* cannot be allocated"):
+        NativeStorage().allocate(torch.zeros(1, 2, 1, 16), 10**12)

@@ -43,6 +43,16 @@ def test_values_are_converted_to_declared_types(registry):
     assert isinstance(parse_spec("custom:ratio=3")[1]["ratio"], int)
 
 
+def test_unannotated_parameters_take_their_defaults_type(registry):
+    def plain(model, budget=3, ratio=0.5, flag=False, label=None):
+        return (budget, ratio, flag, label)
+
+    register_policy("plain", plain)
+    assert from_spec(None, "plain:budget=7,ratio=0.25,flag=yes,label=x") == (7, 0.25, True, "x")
+    with pytest.raises(ValueError, match="budget='seven' is not an integer"):
+        from_spec(None, "plain:budget=seven")
+
+
 def test_registered_policy_is_listed(registry):
     register_policy("mine", FullCache)
     assert "mine" in available_policies()

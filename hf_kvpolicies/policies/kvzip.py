@@ -69,7 +69,7 @@ class KVzipCache(ScoredCache):
         layer_budgets: LayerBudgets = "adaptive",
         head_budgets: HeadBudgets = "adaptive",
         chunk: int = DEFAULT_CHUNK,
-        tokenizer: PreTrainedTokenizerBase | None = None,
+        tokenizer: PreTrainedTokenizerBase | str | None = None,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, 1)
@@ -83,7 +83,7 @@ class KVzipCache(ScoredCache):
                 "or raise budget"
             )
         check_reconstructable(model)
-        self.prompt = RepeatPrompt.from_tokenizer(tokenizer if tokenizer is not None else saved_tokenizer(model))
+        self.prompt = RepeatPrompt.from_tokenizer(resolve_tokenizer(model, tokenizer))
         self.chunk = chunk
         self._model = model
         self.context_ids: torch.Tensor | None = None
@@ -126,15 +126,24 @@ class KVzipCache(ScoredCache):
             retention.defers_trim = True
 
 
-def saved_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
-    """The tokenizer saved beside the model's weights (where ``from_pretrained`` found them)."""
-    source = getattr(model.config, "name_or_path", "") or ""
+def resolve_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer to write the repeat prompt with: the one given, one loaded by name or path
+    (as ``AutoTokenizer.from_pretrained`` takes it), or the one saved beside the model's weights."""
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ValueError(
+            f"KVzipCache takes tokenizer= as a transformers tokenizer or a name or path AutoTokenizer loads, "
+            f"not {type(tokenizer).__name__}: pass tokenizer=AutoTokenizer.from_pretrained(...)"
+        )
+    source = tokenizer if tokenizer is not None else getattr(model.config, "name_or_path", "") or ""
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, TypeError) as error:
+        where = f"tokenizer={source!r}" if tokenizer is not None else f"model.config.name_or_path={source!r}"
         raise ValueError(
-            f"KVzipCache writes its repeat prompt with the model's tokenizer, and none loads from "
-            f"model.config.name_or_path={source!r} ({type(error).__name__}): pass tokenizer=..."
+            f"KVzipCache writes its repeat prompt with the model's tokenizer, and none loads from {where} "
+            f"({type(error).__name__}): pass tokenizer= a tokenizer object, or a Hub id or local folder that has one"
         ) from None
 
 

@@ -89,6 +89,11 @@ class Retention(ABC):
     def max_length(self) -> int:
         """Most tokens kept at once; ``-1`` when unbounded."""
 
+    def limit_to(self, positions: int) -> bool:
+        """Keep at most ``positions`` tokens (the model's positions: a budget beyond them only
+        allocates memory no forward can use); whether that lowered the budget."""
+        return False
+
     def within_model_window(self, sliding_window: int) -> Retention | None:
         """This policy on a layer the model itself masks to its last ``sliding_window`` tokens
         (models whose every layer slides, such as Mistral-7B-v0.1): a retention that chooses only
@@ -113,6 +118,10 @@ class Retention(ABC):
         positions = self.slot_pos[: self.live]
         order = torch.argsort(positions)
         return order[self.select(positions[order])]
+
+    def kept_tokens(self, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the kept tokens, ``[batch, heads, kept, dim]``, in position order."""
+        return storage.gather(self.kept_slots().to(storage.device))
 
     def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens and return what attention should see in this forward."""

@@ -30,6 +30,13 @@ class FullRetention(Retention):
     def compileable(self) -> bool:
         return self.limit is not None
 
+    def limit_to(self, positions: int) -> bool:
+        """A pre-sized buffer holds at most ``positions`` slots (a growing one grows as tokens come)."""
+        if self.limit is None or self.limit <= positions:
+            return False
+        self.limit = positions
+        return True
+
     def capacity(self, first_chunk: int) -> int:
         """Exactly the first chunk (a prompt costs what ``DynamicCache`` pays); the first decode
         step grows the buffer by a quarter."""

@@ -26,6 +26,10 @@ class H2ORetention(ScoredRetention):
         super().__init__(budget=0, protected=0)
         self.requested_tokens = (heavy, recent)
 
+    def token_budget(self) -> int | None:
+        heavy, recent = self.requested_tokens
+        return heavy + recent if isinstance(heavy, int) and isinstance(recent, int) else None
+
     def resolve(self, prompt: int) -> tuple[int, int]:
         """Fractions are of the first forward's length, fixed then."""
         heavy, recent = (tokens(value, prompt) for value in self.requested_tokens)

@@ -125,6 +125,8 @@ class ScoredRetention(Retention):
         """Each row's own budget where the rows' differ (adaptive layer budgets; fractions of rows of
         different lengths); ``budget`` is then the largest, which sizes the storage, and every other
         row leaves its extra slots ``UNUSED``."""
+        self.position_limit: int | None = None
+        """The model's positions, where the budget would exceed them (:meth:`limit_to`)."""
         self.row_protected: torch.Tensor | None = None
         """``[batch, 1, 1]`` each row's ``protected`` where the rows' differ (``protected``: the largest)."""
         self.protected_from = 0
@@ -255,15 +257,29 @@ class ScoredRetention(Retention):
         )
 
     def kept_slots(self) -> torch.Tensor:
-        """``[batch, kv_heads, kept]`` slots of the kept tokens, in slot order (for iteration)."""
+        """``[batch, kv_heads, kept]`` slots of the kept tokens, in slot order (for iteration); with
+        pooled heads, each head's in position order, its row padded in front with slots it does
+        not own where it keeps fewer than the busiest (row, head) (``kept_positions`` marks them)."""
         if self.pooled:
-            raise ValueError(
-                f"{type(self).__name__} with head_budgets='adaptive' keeps a different number of tokens in each KV "
-                "head, which no [batch, heads, tokens, dim] tensor holds: read the positions each head keeps with "
-                "kept_positions(), or build the cache with head_budgets='uniform' to iterate over its keys and values"
-            )
+            positions = self.positions[..., : self.live]
+            busiest = int((positions >= 0).sum(dim=-1).max()) if positions.numel() else 0
+            return positions.sort(dim=-1).indices[..., positions.shape[-1] - busiest :]
         index = self._kept_index()
         return torch.arange(self.live) if index is None else index
+
+    def kept_tokens(self, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+        """With pooled heads, ``[batch, kv_heads, busiest, dim]``: each head's kept tokens in position
+        order, right-aligned, zeros in front where a head keeps fewer than the busiest (the ``-1``
+        of :meth:`kept_positions`, whose last ``busiest`` columns line up with these)."""
+        if not self.pooled:
+            return super().kept_tokens(storage)
+        slots = self.kept_slots().to(storage.device)
+        owned = self.positions.gather(-1, slots) >= 0
+        batch, heads = slots.shape[:2]
+        return tuple(
+            torch.where(owned[..., None], pooled.expand(batch, heads, -1, -1).gather(2, expand_slots(slots, pooled.expand(batch, heads, -1, -1))), 0)
+            for pooled in storage.read(self.live)
+        )
 
     def kept_positions(self) -> torch.Tensor:
         """``[batch, kv_heads, kept]`` positions currently kept, ascending (pads as ``-1``, first;
@@ -341,6 +357,17 @@ class ScoredRetention(Retention):
             self.budget = budget
         self._trim(storage, pending)
 
+    def limit_to(self, positions: int) -> bool:
+        """Budgets are fixed at the first forward (fractions of the prompt), capped there; a budget
+        in tokens is known now, and reported now."""
+        self.position_limit = positions
+        budget = self.token_budget()
+        return budget is not None and budget > positions
+
+    def token_budget(self) -> int | None:
+        """The budget in tokens where it is given so (``None``: fixed by the first forward)."""
+        return self.requested[0]
+
     def _resolve_rows(self, lengths: list[int], device: torch.device) -> None:
         """``budget`` and ``protected`` from the first forward: each row's from its own tokens (a
         budget given as a fraction of the prompt is a fraction of the row's, pads left out), so
@@ -348,6 +375,8 @@ class ScoredRetention(Retention):
         resolved = []
         for length in lengths:
             budget, protected = self.resolve(length)
+            if self.position_limit is not None and budget > self.position_limit:
+                budget, protected = self.position_limit, min(protected, self.position_limit)
             resolved.append((self.layer_budget(budget, protected) if self.layer_budget is not None else budget, protected))
         budgets, protected = (list(values) for values in zip(*resolved))
         self.budget, self.protected = max(budgets), max(protected)

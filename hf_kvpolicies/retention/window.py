@@ -49,6 +49,12 @@ class RingRetention(Retention):
             return None
         return RingRetention(min(self.window, sliding_window - 1), band=sliding_window - 1)
 
+    def limit_to(self, positions: int) -> bool:
+        if self.sinks + self.window <= positions:
+            return False
+        self.window = max(1, positions - self.sinks)
+        return True
+
     @property
     def is_croppable(self) -> bool:
         return self.band is not None and self.sinks == 0 and self.window == self.band

@@ -7,6 +7,7 @@ It knows nothing about which token lives in which slot: that is the retention's 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -28,6 +29,11 @@ class Storage(ABC):
     def is_allocated(self) -> bool:
         return self.dtype is not None
 
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """Rows of the batch held (once allocated)."""
+
     @abstractmethod
     def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         """Create ``capacity`` empty slots shaped like ``like`` (keys: ``[batch, heads, *, head_dim]``).
@@ -35,6 +41,10 @@ class Storage(ABC):
         ``value_dim``: the values' last dim where it differs from the keys' (multi-head latent
         attention stores 192-wide keys and 128-wide values); ``None`` for the keys' own.
         """
+
+    def check_positions(self, positions: int) -> None:
+        """``ValueError`` for options no model of ``positions`` positions can use (checked when a
+        cache is built; nothing to check by default)."""
 
     @abstractmethod
     def grow(self, capacity: int) -> None:
@@ -108,6 +118,22 @@ class Storage(ABC):
 
     def leave_static(self) -> None:
         """Static steps end (before any other call): bring host bookkeeping up to date (may read the device)."""
+
+
+def allocated(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str, fill: float | int = 0) -> torch.Tensor:
+    """A new tensor filled with ``fill``, or a ``ValueError`` that names the bytes asked for and
+    ``what`` asked for them, where the device cannot hold it (instead of the allocator's message)."""
+    elements = math.prod(shape)
+    size = elements * torch.empty((), dtype=dtype).element_size()
+    try:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as error:
+        if isinstance(error, RuntimeError) and "memory" not in str(error).lower() and "allocat" not in str(error).lower():
+            raise
+        raise ValueError(
+            f"{what} asks for {size:,} bytes ({size / 2**30:.1f} GiB) as {tuple(shape)} {str(dtype).removeprefix('torch.')} "
+            f"on {device}, which cannot be allocated: lower the budget (or the storage's residual), or use fewer rows"
+        ) from None
 
 
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validation import check_int
-from .base import SlotIndex, Storage, expand_slots
+from .base import SlotIndex, Storage, allocated, expand_slots
 
 DEFAULT_RESIDUAL = 32
 """Native tokens per layer by default, from ``python -m eval.benchmarks.fp8 --residual-sweep``
@@ -155,7 +155,7 @@ class FP8Storage(Storage):
         self._held = 0  # residual entries in use (they fill [0, residual) in order)
         self._next = 0  # ring position of the next entry
         self._written_end = 0  # one past the highest slot ever written: reads that cover it need no filter
-        self._shadowed: list[int] | None = [-1] * self.residual
+        self._shadowed: list[int] | None = []  # sized at allocation
         """Host copy of the slot each entry shadows while every write had ``int`` slots (then all
         rows and heads agree); ``None`` once a per-row tensor of slots was written."""
         self._ring: torch.Tensor | None = None
@@ -193,19 +193,31 @@ class FP8Storage(Storage):
         return f"FP8Storage(residual={self.residual}, dtype={self.format.name!r})"
 
     # --- the Storage interface ---------------------------------------------------------
+    def check_positions(self, positions: int) -> None:
+        if self.residual > positions:
+            raise ValueError(
+                f"fp8 storage residual={self.residual} exceeds the {positions} positions of the model: no cache holds "
+                f"more tokens natively than the model reads; give residual <= {positions} (default {DEFAULT_RESIDUAL})"
+            )
+
     def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, key_dim = like.shape
         width = key_dim + (value_dim or key_dim)
         self.dtype, self.device, self.capacity, self.key_dim = like.dtype, like.device, capacity, key_dim
-        self.payload = torch.zeros(batch, heads, capacity, width, dtype=torch.uint8, device=like.device)
-        self.scales = torch.zeros(batch, heads, capacity, 2, dtype=torch.uint8, device=like.device)
+        self.payload = allocated((batch, heads, capacity, width), torch.uint8, like.device, f"the fp8 payload of {capacity} slots")
+        self.scales = allocated((batch, heads, capacity, 2), torch.uint8, like.device, f"the fp8 scales of {capacity} slots")
         if self.residual:
-            self.residual_values = like.new_zeros(batch, heads, self.residual, width)
+            what = f"the fp8 residual of {self.residual} tokens"
+            self.residual_values = allocated((batch, heads, self.residual, width), like.dtype, like.device, what)
             # -1: an entry in no use (static steps read every entry and skip these)
-            self.residual_slots = torch.full((batch, heads, self.residual), -1, dtype=torch.long, device=like.device)
+            self.residual_slots = allocated((batch, heads, self.residual), torch.long, like.device, what, fill=-1)
         self._held = self._next = self._written_end = 0
         self._shadowed = [-1] * self.residual
         self._ring = None
+
+    @property
+    def rows(self) -> int:
+        return self.payload.shape[0]
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SlotIndex, Storage, expand_slots
+from .base import SlotIndex, Storage, allocated, expand_slots
 
 
 class NativeStorage(Storage):
@@ -18,9 +18,14 @@ class NativeStorage(Storage):
 
     def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, head_dim = like.shape
-        self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
-        self.keys = like.new_zeros(batch, heads, capacity, head_dim)
-        self.values = like.new_zeros(batch, heads, capacity, value_dim or head_dim)
+        what = f"the keys of {capacity} slots"
+        keys = allocated((batch, heads, capacity, head_dim), like.dtype, like.device, what)
+        values = allocated((batch, heads, capacity, value_dim or head_dim), like.dtype, like.device, "the values" + what[8:])
+        self.dtype, self.device, self.capacity, self.keys, self.values = like.dtype, like.device, capacity, keys, values
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[0]
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
