@@ -70,7 +70,7 @@ def streaming_masks(cache: PolicyCache, query_length: int, model: PreTrainedMode
     """The ``attention_mask`` for the next forward of ``query_length`` tokens: one tensor, or
     ``{layer_type: mask}`` for models that mix sliding and full attention layers."""
     return masks_by_layer_type(
-        cache,
+        cache.layers,
         lambda retention: streamed_keys(retention, query_length)[None, None].to(model.device),
         model.config._attn_implementation,
         model.dtype,

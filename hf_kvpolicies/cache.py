@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,6 +11,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import logging
 
+from . import hooks
+from .masks import allowed_keys, check_mask_format, masks_by_layer_type, prompt_padding, to_attention_format
 from .model_layout import LayerLayout, layer_layouts, max_positions
 from .retention import Retention, RingRetention
 from .storage import Storage, StorageFactory, storage_factory
@@ -34,6 +37,30 @@ NOT_STATIC = (
 )
 
 
+class ForwardState:
+    """What one forward hands its layers beyond keys and values: the batch's padding, the queries
+    the layers' policies read (handed over by the query hooks before each layer's ``update``), and
+    each layer's own mask. One object per cache, begun and ended with every forward."""
+
+    def __init__(self) -> None:
+        self.padding: torch.Tensor | None = None
+        """``[batch, seen + q]`` bool where the batch is padded."""
+        self.queries: dict[int, tuple[torch.Tensor, float]] = {}
+        self.layer_masks: list[torch.Tensor] | None = None
+
+    def begin(self) -> None:
+        self.padding, self.layer_masks = None, None
+        self.queries.clear()
+
+    end = begin
+
+
+def _query_groups(config) -> int:
+    """Query heads per KV head."""
+    heads = config.num_attention_heads
+    return heads // (getattr(config, "num_key_value_heads", None) or heads)
+
+
 class PolicyLayer(CacheLayerMixin):
     """One layer's cache: ``retention`` decides the slots, ``storage`` holds them.
 
@@ -51,7 +78,7 @@ class PolicyLayer(CacheLayerMixin):
         self._make_storage = storage
         self.storage: Storage = storage()
         self.padded = False
-        """Set by the mask hook on a padded batch (the layout then needs exact per-row masks)."""
+        """Set by the cache on a padded batch (the layout then needs exact per-row masks)."""
         self.static_allowed = False
         """Set by the cache: every layer can be static, so transformers builds the masks static steps need."""
 
@@ -82,7 +109,7 @@ class PolicyLayer(CacheLayerMixin):
         self.retention.start_recording(self.storage)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.retention.update(self.storage, key_states[:, :, :0], value_states[:, :, :0])
+        self.retention.update(self.storage, key_states[:, :, :0], value_states[:, :, :0], None, None)
         self.is_initialized = True
         self.device = key_states.device
 
@@ -92,15 +119,23 @@ class PolicyLayer(CacheLayerMixin):
         return self.storage.rows if self.storage.is_allocated else None
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        padding: torch.Tensor | None = None,
+        query: tuple[torch.Tensor, float] | None = None,
+        *args,
+        **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``padding``: the forward's 2-D bool padding where the batch is padded; ``query``: its
+        queries and their scaling where the retention reads them (both from the cache's forward)."""
         retention = self.retention
         if retention.static and key_states.shape[-2] == 1:
-            return retention.static_step(self.storage, key_states, value_states)
+            return retention.static_step(self.storage, key_states, value_states, query)
         if torch.compiler.is_compiling():
             raise ValueError(NOT_STATIC.format(retention=type(retention).__name__))
         self.host_state()
-        keys, values = retention.update(self.storage, key_states, value_states)
+        keys, values = retention.update(self.storage, key_states, value_states, padding, query)
         self.is_initialized = True
         self.device = key_states.device
         self.enter_static_if_ready()
@@ -242,12 +277,10 @@ class PolicyCache(Cache):
         """Whether the batch is padded, read from the mask on multi-token forwards (never on a decode step)."""
         self.sizes_differ_by_layer = False
         """True where layers of one attention type may hold different numbers of tokens (pyramid or
-        adaptive layer budgets): each then needs its own mask (``masks``, with its attention hook)."""
-        self.layer_masks: list[torch.Tensor] | None = None
-        """Per layer, this forward's mask where layers return different numbers of keys (``masks``)."""
-        from .masks import attach_mask_hook  # the hook module imports this one
-
-        self.model_token = attach_mask_hook(model)
+        adaptive layer budgets): each then needs its own mask, handed to its attention module."""
+        self.forward = ForwardState()
+        self.dispatcher = hooks.attach(model)
+        self.model_token = self.dispatcher.token
         self.attn_implementation = model.config._attn_implementation
         self.flex_on_cpu = self.attn_implementation == "flex_attention" and model.device.type == "cpu"
         """Masks then take a tensor kv offset (:meth:`get_mask_sizes`), for the implementation the cache was built under."""
@@ -309,15 +342,82 @@ class PolicyCache(Cache):
         """How many layers the policy governs; a run where it governs none measures nothing."""
         return sum(self.governed)
 
-    # --- the model that runs the cache -------------------------------------------------------
-    def announce_forward(self, model_token: str, rows: int | None = None) -> None:
-        """Called by the mask hook before each forward of a model that carries it (``rows``: the
-        forward's batch size, refused before anything is written if the cache holds another)."""
-        if model_token != self.model_token:
+    # --- the forward under way (called by the model's dispatcher, :mod:`hf_kvpolicies.hooks`) ------
+    def before_forward(self, token: str, inputs: torch.Tensor, attention_mask: Any, config, dtype: torch.dtype) -> Any:
+        """Checks the model instance and the batch, reads the padding (on multi-token forwards
+        only: a decode step keeps its prompt's, so it reads nothing back), and builds the masks
+        transformers' cannot: the exact mask of a padded batch (returned, to replace the
+        forward's), and each layer's own where layers return different numbers of keys."""
+        if token != self.model_token:
             raise ValueError(OTHER_MODEL.format(cache=type(self).__name__))
-        if rows is not None:
-            self.check_rows(rows)
+        self.check_rows(inputs.shape[0])
         self._announced = True
+        forward = self.forward
+        forward.begin()
+        if all(layer.retention.in_position_order for layer in self.layers):
+            return hooks.UNCHANGED
+        padding, query_length = attention_mask, inputs.shape[1]
+        if query_length > 1 and self.get_seq_length() == 0:
+            padding = prompt_padding(padding)
+        implementation = config._attn_implementation
+        per_head = self.per_head_masks and self.get_seq_length() > 0
+        if self.sizes_differ_by_layer and (
+            per_head or len({layer.retention.returned_length(query_length) for layer in self.layers}) > 1
+        ):
+            forward.layer_masks = self._layer_masks(padding, inputs, query_length, config, dtype)
+        if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+            return hooks.UNCHANGED
+        if query_length > 1 or self.padded is None:
+            self.padded = not bool(padding.all())
+        if not self.padded:
+            return hooks.UNCHANGED
+        if torch.compiler.is_compiling():
+            raise ValueError(NOT_STATIC.format(retention=type(self.layers[self.first_policy_layer].retention).__name__))
+        forward.padding = padding.to(torch.bool)
+        for layer in self.layers:
+            layer.padded = True
+        if self.get_seq_length() == 0:
+            return hooks.UNCHANGED
+        check_mask_format(implementation, type(self).__name__)
+        groups = _query_groups(config)
+        return masks_by_layer_type(
+            self.layers, lambda retention: allowed_keys(retention, forward.padding, query_length, groups), implementation, dtype
+        )
+
+    def _layer_masks(self, padding, inputs: torch.Tensor, query_length: int, config, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Each layer's own exact mask, where layers return different numbers of keys (pyramid or
+        adaptive layer budgets) or per head (pooled heads, rows with their own budgets): transformers
+        builds one from the first layer's sizes. An sdpa decode step of an unpadded batch needs none
+        (every kept key is visible), unless a head or a row must not see some slots."""
+        implementation = config._attn_implementation
+        padded = isinstance(padding, torch.Tensor) and padding.dim() == 2 and (
+            self.padded if query_length == 1 and self.padded is not None else not bool(padding.all())
+        )
+        if query_length == 1 and implementation == "sdpa" and not padded and not self.per_head_masks:
+            return None
+        if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+            padding = torch.ones(inputs.shape[0], self.get_seq_length() + query_length, dtype=torch.bool, device=inputs.device)
+        groups = _query_groups(config)
+        return [
+            to_attention_format(allowed_keys(layer.retention, padding, query_length, groups, padded), implementation, dtype)
+            for layer in self.layers
+        ]
+
+    def layer_mask(self, layer_idx: int) -> torch.Tensor | None:
+        masks = self.forward.layer_masks
+        return None if masks is None else masks[layer_idx]
+
+    def query_rows(self, layer_idx: int) -> int | None:
+        """How many of this forward's last queries layer ``layer_idx``'s policy reads
+        (``hooks.ALL_QUERIES``: all of them; ``None``: none)."""
+        return self.layers[layer_idx].retention.query_rows_wanted()
+
+    def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+        self.forward.queries[layer_idx] = (query, scaling)
+
+    def after_forward(self) -> None:
+        """The forward is over (subclasses finish what waits for every layer: trims, reconstruction)."""
+        self.forward.end()
 
     def check_rows(self, rows: int) -> None:
         """``ValueError`` for a forward whose batch is not the one the cache holds."""
@@ -353,7 +453,8 @@ class PolicyCache(Cache):
             self.check_rows(key_states.shape[0])
         if layer_idx == len(self.layers) - 1:
             self._announced = self._masks_built = False
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        forward = self.forward
+        return self.layers[layer_idx].update(key_states, value_states, forward.padding, forward.queries.pop(layer_idx, None))
 
     # --- rolling back (assisted decoding, prompt lookup) ------------------------------------
     def _refuse_rollback(self) -> None:
@@ -376,6 +477,7 @@ class PolicyCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.padded = None
+        self.forward.end()
         self._announced = self._masks_built = False
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -21,6 +22,12 @@ class LayerLayout:
     @property
     def is_sliding(self) -> bool:
         return self.layer_type == "sliding_attention"
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module that holds the decoder layers and builds the masks (``LlamaModel`` inside
+    ``LlamaForCausalLM``)."""
+    return getattr(model, "base_model", model)
 
 
 def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:

@@ -35,9 +35,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention_scores import attach_query_hook, max_attention
-from .masks import decoder_of
-from .model_layout import layer_layouts
+from . import hooks
+from .attention_scores import max_attention
+from .model_layout import decoder_of, layer_layouts
 from .special_tokens import start_ids
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -103,7 +103,7 @@ def check_reconstructable(model: PreTrainedModel, policy: str = "KVzipCache") ->
             f"{model.config.model_type} are sliding-window layers that keep only their window: "
             "use a policy that scores without a replay (h2o) or a model without sliding-window layers"
         )
-    attach_query_hook(model)
+    hooks.attach(model).serve_queries(model)
 
 
 class ReplayLayer(CacheLayerMixin):
@@ -119,19 +119,14 @@ class ReplayLayer(CacheLayerMixin):
         """``[batch, kv_heads, context]`` the largest attention each context token has received."""
         self.key_mask: torch.Tensor | None = None
         self.query_mask: torch.Tensor | None = None
-        self._query: tuple[torch.Tensor, float] | None = None
 
-    def receive_query(self, query: torch.Tensor, scaling: float, attention_mask: torch.Tensor | None) -> None:
-        """The reconstruction's queries (from the q_proj hook), scored once their keys arrive."""
-        self._query = (query, scaling)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, query: tuple[torch.Tensor, float] | None = None, *args, **kwargs):
+        """``query``: the reconstruction's queries and scaling (from the query hook, via the cache)."""
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        pending, self._query = self._query, None
-        if pending is None:
+        if query is None:
             raise RuntimeError("a replayed layer received keys without their queries: the query hook is missing")
-        query, scaling = pending
+        query, scaling = query
         context = self.keys.shape[-2]
         best = max_attention(query, keys, scaling, context, key_mask=self.key_mask, query_mask=self.query_mask)
         torch.maximum(self.scores, best[..., :context], out=self.scores)
@@ -151,10 +146,32 @@ class ReplayLayer(CacheLayerMixin):
 
 
 class ReplayCache(Cache):
-    """The prefilled context of every layer, attended to by the reconstruction and never extended."""
+    """The prefilled context of every layer, attended to by the reconstruction and never extended.
+    It takes part in the forward (:class:`~hf_kvpolicies.hooks.ForwardParticipant`) only to receive
+    every layer's queries."""
 
     def __init__(self, layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__(layers=[ReplayLayer(keys, values) for keys, values in layers_kv])
+        self.queries: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def before_forward(self, token: str, inputs: torch.Tensor, attention_mask, config, dtype: torch.dtype):
+        self.queries.clear()
+        return hooks.UNCHANGED
+
+    def layer_mask(self, layer_idx: int) -> None:
+        return None
+
+    def query_rows(self, layer_idx: int) -> int:
+        return hooks.ALL_QUERIES
+
+    def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+        self.queries[layer_idx] = (query, scaling)
+
+    def after_forward(self) -> None:
+        self.queries.clear()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states, self.queries.pop(layer_idx, None))
 
     def set_masks(self, key_mask: torch.Tensor | None, query_mask: torch.Tensor | None) -> None:
         """Which keys are real tokens and which reconstruction queries count, for the next forward."""
@@ -185,7 +202,7 @@ def reconstruction_scores(
     stored = {tuple(keys.shape[::2]) for keys, _ in layers_kv}
     if stored != {(batch, context)}:
         raise ValueError(f"the cached keys hold {sorted(stored)} (batch, tokens); the context ids are {(batch, context)}")
-    attach_query_hook(model)  # idempotent: the replay's queries come through the q_proj hooks
+    hooks.attach(model).serve_queries(model)  # idempotent: the replay's queries come through the query hooks
     device = layers_kv[0][0].device
     real = torch.ones(batch, context, dtype=torch.bool) if padding is None else padding.to("cpu", torch.bool)
     rows = [ids[mask].tolist() for ids, mask in zip(context_ids.cpu(), real)]

@@ -1,4 +1,5 @@
-"""How H2O sees attention: chunked scores equal unchunked ones; the hooks are installed once and inert."""
+"""How the scored policies see attention: chunked scores equal unchunked ones; the model's
+dispatcher (hooks) is installed once and inert for every other cache."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, attention_sco
 from hf_kvpolicies.attention_scores import (
     accumulated_attention,
     attention_chunks,
-    detach_query_hook,
     max_attention,
     query_probabilities,
 )
+from hf_kvpolicies.hooks import detach
 
 
 def naive_scores(query, keys, scaling, first_new):
@@ -126,7 +127,7 @@ def test_hooks_are_installed_once_and_other_caches_are_unchanged():
         assert torch.equal(prefill_then_decode(model, ids, make(), prefill=12), before[name]), name
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain)
-    detach_query_hook(model)
+    detach(model)
     assert hook_counts(model) == [(0, 0)] * 3
     H2OCache(model, heavy=4, recent=4)  # a new cache installs them again
     assert hook_counts(model) == [(1, 1)] * 3

@@ -287,9 +287,9 @@ def test_snapkv_and_tova_receive_only_the_last_queries_they_read(make_model, one
     received = {}
     for name, cache in [("h2o", H2OCache(model, heavy=4, recent=4)), ("snapkv", SnapKVCache(model, budget=8, window=4)),
                         ("tova", TOVACache(model, budget=8))]:
-        retention = cache.layers[full_layers(model)[0]].retention
-        retention.receive_query = lambda query, *rest, name=name, own=retention.receive_query: (
-            received.__setitem__(name, query), own(query, *rest))
+        layer = full_layers(model)[0]
+        cache.receive_query = lambda index, query, *rest, name=name, own=cache.receive_query, layer=layer: (
+            index == layer and received.__setitem__(name, query), own(index, query, *rest))
         with torch.no_grad():
             model(ids, cache=cache)
     assert received["h2o"].shape[-2] == 24

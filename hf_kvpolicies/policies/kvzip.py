@@ -5,19 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..masks import CACHE_KWARGS, decoder_of
 from ..reconstruction import DEFAULT_CHUNK, RepeatPrompt, check_reconstructable, reconstruction_scores
 from ..retention.kvzip import KVzipRetention
 from ..retention.layer_budgets import busiest_head_budgets
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
-
-IDS_HOOK_ATTRIBUTE = "_hf_kvpolicies_kvzip_ids_hook"
-
 
 class KVzipCache(ScoredCache):
     """KVzip (Kim et al., 2025) inside an unmodified ``model.generate()``.
@@ -87,12 +82,22 @@ class KVzipCache(ScoredCache):
         self.chunk = chunk
         self._model = model
         self.context_ids: torch.Tensor | None = None
-        """The first forward's ``input_ids`` (seen by a decoder pre-hook), until its reconstruction."""
+        """The first forward's ``input_ids`` (seen by :meth:`before_forward`), until its reconstruction."""
         self.reconstructed = False
         super().__init__(model, lambda: KVzipRetention(budget, recent, sinks), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
         for retention in self.scored_layers():
             retention.defers_trim = True  # the first forward waits for its reconstruction scores
-        attach_ids_hook(model)
+
+    def before_forward(self, token: str, inputs: torch.Tensor, attention_mask: Any, config, dtype: torch.dtype) -> Any:
+        """The first forward's token ids are the context the reconstruction repeats."""
+        mask = super().before_forward(token, inputs, attention_mask, config, dtype)
+        if not self.reconstructed and self.get_seq_length() == 0:
+            if inputs.is_floating_point():
+                raise ValueError(
+                    "KVzipCache reconstructs the prompt from its token ids: call the model with input_ids, not inputs_embeds"
+                )
+            self.context_ids = inputs
+        return mask
 
     def finish_prefill(self) -> None:
         """After the first forward, score its tokens by their reconstruction; then trim as usual."""
@@ -145,22 +150,3 @@ def resolve_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             f"KVzipCache writes its repeat prompt with the model's tokenizer, and none loads from {where} "
             f"({type(error).__name__}): pass tokenizer= a tokenizer object, or a Hub id or local folder that has one"
         ) from None
-
-
-def attach_ids_hook(model: nn.Module) -> None:
-    """Install, once per model, the decoder pre-hook that shows a KVzipCache its prompt's ids."""
-    decoder = decoder_of(model)
-    if getattr(decoder, IDS_HOOK_ATTRIBUTE, None) is None:
-        setattr(decoder, IDS_HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(_record_ids, with_kwargs=True))
-
-
-def _record_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
-    if not isinstance(cache, KVzipCache) or cache.reconstructed or cache.get_seq_length() > 0:
-        return
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        raise ValueError(
-            "KVzipCache reconstructs the prompt from its token ids: call the model with input_ids, not inputs_embeds"
-        )
-    cache.context_ids = ids

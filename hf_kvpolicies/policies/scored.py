@@ -8,8 +8,8 @@ its KV heads (``head_budgets``: ``"uniform"``, every head ``budget`` tokens, or 
 the heads' tokens competing for ``heads x budget``, held in pooled storage:
 :mod:`~hf_kvpolicies.retention.pooled_heads`).
 
-**The finishing hook.** A forward hook on the decoder, installed once per model and inert for
-every other cache, calls :meth:`ScoredCache.finish_prefill` after each forward. Layers whose
+**Finishing a forward.** After each forward the model's dispatcher (:mod:`hf_kvpolicies.hooks`)
+calls ``after_forward``, which calls :meth:`ScoredCache.finish_prefill`. Layers whose
 retention deferred its trim (adaptive budgets need every layer's scores first) hold a
 :class:`~hf_kvpolicies.retention.scored.Pending` then; ``finish_prefill`` calls
 :meth:`ScoredCache.rescore` with them (a subclass, e.g. KVzip, may run a reconstruction pass over
@@ -21,15 +21,13 @@ forward wait for it, not only the first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
-import torch
-from torch import nn
 from transformers import PreTrainedModel
 
-from ..attention_scores import MASK_FORMATS, attach_query_hook, check_attention_implementation
 from ..cache import PolicyCache
-from ..masks import CACHE_KWARGS, attach_layer_mask_hook, decoder_of
+from ..hooks import check_attention_implementation
+from ..masks import MASK_FORMATS
 from ..model_layout import layer_layouts
 from ..retention.layer_budgets import adaptive_budgets, budgets_by_row, pyramid_budgets
 from ..retention.scored import HEAD_BUDGETS, Pending, ScoredRetention
@@ -39,7 +37,6 @@ from ..validation import check_choice
 LayerBudgets = Literal["uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS = ("uniform", "pyramid", "adaptive")
 HeadBudgets = Literal["uniform", "adaptive"]
-HOOK_ATTRIBUTE = "_hf_kvpolicies_finish_hook"
 
 
 class ScoredCache(PolicyCache):
@@ -74,9 +71,9 @@ class ScoredCache(PolicyCache):
                 f"per-head attention mask, which {implementation!r} attention does not take: call "
                 "model.set_attn_implementation('sdpa') before building the cache, or use head_budgets='uniform'"
             )
-        if retention().needs_queries:
+        needs_queries = retention().needs_queries
+        if needs_queries:
             check_attention_implementation(type(self).__name__, model.config._attn_implementation)
-            attach_query_hook(model)  # raises ValueError for a model whose attention it cannot serve
         governed = [layout.index for layout in layer_layouts(model) if not layout.is_sliding]
 
         def make(layout) -> ScoredRetention:
@@ -90,10 +87,11 @@ class ScoredCache(PolicyCache):
 
         self.layer_budgets, self.head_budgets = layer_budgets, head_budgets
         super().__init__(model, make, storage=storage)
-        attach_finish_hook(model)
+        if needs_queries:
+            self.dispatcher.serve_queries(model)  # raises ValueError for a model whose attention it cannot serve
         if layer_budgets != "uniform" or head_budgets == "adaptive":
             self.sizes_differ_by_layer = True
-            attach_layer_mask_hook(model)  # layers then return different numbers of keys, or per-head ones
+            self.dispatcher.serve_attention()  # layers then return different numbers of keys, or per-head ones
 
     budget_keys = ("budget",)
     """``budget`` sizes it; a protected window, sinks or a pooling width only shape it."""
@@ -108,6 +106,10 @@ class ScoredCache(PolicyCache):
 
     def rescore(self, pending: list[Pending]) -> None:
         """Replace the scores of the layers waiting for their trim (nothing by default; KVzip's pass)."""
+
+    def after_forward(self) -> None:
+        super().after_forward()
+        self.finish_prefill()
 
     def finish_prefill(self) -> None:
         """Trim every layer that waits for the cache-level step (called after each forward)."""
@@ -154,18 +156,3 @@ class ScoredCache(PolicyCache):
         layers = self.scored_layers()
         rows = next((r.positions.shape[0] for r in layers if r.positions is not None), 1)
         return [[r.budget if r.row_budgets is None else r.row_budgets[row] for r in layers] for row in range(rows)]
-
-
-def attach_finish_hook(model: nn.Module) -> None:
-    """Install the decoder's finishing hook once per model (idempotent)."""
-    decoder = decoder_of(model)
-    if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
-        setattr(decoder, HOOK_ATTRIBUTE, decoder.register_forward_hook(_finish_hook, with_kwargs=True))
-
-
-def _finish_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
-    if isinstance(cache, ScoredCache):
-        with torch.no_grad():
-            cache.finish_prefill()
-

@@ -123,8 +123,21 @@ class Retention(ABC):
         """Keys and values of the kept tokens, ``[batch, heads, kept, dim]``, in position order."""
         return storage.gather(self.kept_slots().to(storage.device))
 
-    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens and return what attention should see in this forward."""
+    def query_rows_wanted(self) -> int | None:
+        """How many of a forward's last queries the policy reads (``0``: all; ``None``: none)."""
+        return None
+
+    def update(
+        self,
+        storage: Storage,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        padding: torch.Tensor | None = None,
+        query: tuple[torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return what attention should see in this forward (``padding``:
+        the batch's 2-D bool padding where it is padded; ``query``: the forward's queries and their
+        scaling, for a policy that reads them)."""
         q = keys.shape[-2]
         if not storage.is_allocated:
             storage.allocate(keys, self.capacity(q), value_dim=values.shape[-1])
@@ -187,10 +200,6 @@ class Retention(ABC):
         """Which keys each query may attend to, beyond causality (all kept ones by default)."""
         return torch.ones(query_pos.numel(), key_pos.numel(), dtype=torch.bool)
 
-    def observe_padding(self, padding: torch.Tensor) -> None:
-        """Sees the 2-D padding mask of a padded batch before each forward, prefill included
-        (for layouts that differ per row; nothing by default)."""
-
     def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """``[batch, kv]`` bool: which keys of the next update hold a real token in each row.
 
@@ -236,7 +245,9 @@ class Retention(ABC):
         self._entry = (self.seen, self.live)
         self.static, self.stale = True, False
 
-    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_step(
+        self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query: tuple[torch.Tensor, float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoded token with fixed shapes and no host state: returns every slot, and
         ``get_mask_sizes`` shows slot ``j`` to the query while ``j <= seen`` (unfilled slots hidden)."""
         raise NotImplementedError(f"{type(self).__name__} has no static decode step")

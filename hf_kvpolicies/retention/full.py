@@ -53,7 +53,7 @@ class FullRetention(Retention):
     def static_ready(self, storage: Storage) -> bool:
         return self.limit is not None and storage.is_allocated
 
-    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to slot ``seen``, as in ``StaticCache``."""
         if not torch.compiler.is_compiling() and self.live >= self.limit:
             self._ensure_capacity(storage, self.live, 1)  # refused with the reason

@@ -35,8 +35,7 @@ its own (the append while the slots fill), then frees the ``heads`` slots ranked
 whole layer: a head whose tokens rank low shrinks, one whose tokens rank high grows. A
 multi-token forward always attends in full and trims (the first one too, prompt fitting or not).
 
-Padded batches: the exact-mask hook shows each forward's 2-D padding (:meth:`observe_padding`);
-pad tokens get position ``-1`` (an empty slot: masked by position, scored ``-inf``, evicted first)
+Padded batches: each forward of a padded batch hands ``update`` its 2-D padding; pad tokens get position ``-1`` (an empty slot: masked by position, scored ``-inf``, evicted first)
 and their queries score nothing, so a left-padded row keeps what it keeps alone.
 """
 
@@ -50,6 +49,7 @@ import torch
 
 from ..storage import Storage
 from ..storage.base import SlotIndex, expand_slots
+from ..hooks import ALL_QUERIES
 from .base import Retention
 from .pooled_heads import owned_by_head, pooled_ranking, pooled_victims, take_flat
 
@@ -151,8 +151,6 @@ class ScoredRetention(Retention):
         self.padded = False
         self.live_t: torch.Tensor | None = None
         """Static steps: ``live`` on the device (0-d long)."""
-        self._padding: torch.Tensor | None = None
-        self._query: tuple[torch.Tensor, float] | None = None
 
     # --- what a statistic decides ------------------------------------------------------
     @abstractmethod
@@ -201,14 +199,10 @@ class ScoredRetention(Retention):
         """Not used: a scored layout trims by score per row and head (:meth:`_keep`)."""
         raise NotImplementedError(f"{type(self).__name__} trims by score per row and head")
 
-    def observe_padding(self, padding: torch.Tensor) -> None:
-        """The 2-D padding mask of the next forward (seen by the exact-mask hook, prefill included)."""
-        self._padding = padding.to(torch.bool)
-        self.padded = True
-
-    def receive_query(self, query: torch.Tensor, scaling: float, attention_mask: torch.Tensor | None) -> None:
-        """The queries of the forward about to call :meth:`update` (handed over by the q_proj hook)."""
-        self._query = (query, scaling)
+    def query_rows_wanted(self) -> int | None:
+        if not self.needs_queries:
+            return None
+        return ALL_QUERIES if self.query_rows is None else self.query_rows
 
     @property
     def stored(self) -> int:
@@ -306,14 +300,13 @@ class ScoredRetention(Retention):
         super().reset()
         self.budget = self.protected = self.row_budgets = self.row_protected = None
         self.protected_from = 0
-        self.positions = self.scores = self.free = self._padding = self.live_t = None
+        self.positions = self.scores = self.free = self.live_t = None
         self.extra = {}
         self.pending = None
         self.has_free = self.padded = False
-        self._query = None
 
     # --- one update ------------------------------------------------------------------------
-    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, padding=None, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         q = keys.shape[-2]
         if q == 0:
             return keys, values  # lazy initialisation: nothing arrives, nothing to score
@@ -322,8 +315,10 @@ class ScoredRetention(Retention):
                 f"{type(self).__name__}: a forward arrived before the last one was trimmed; use the cache only with "
                 "the model it was built for (its constructor installs the hook that finishes each forward)"
             )
-        query, scaling = self._take_query(q) if self.needs_queries else (None, 1.0)
-        new_positions = self._new_positions(keys, q)
+        query, scaling = self._checked_query(query, q)
+        if padding is not None:
+            self.padded = True
+        new_positions = self._new_positions(keys, q, padding)
         if self.budget is None:
             real = [q] * keys.shape[0] if isinstance(new_positions, int) else (new_positions[:, 0] >= 0).sum(-1).tolist()
             self._resolve_rows(real, keys.device)
@@ -375,9 +370,11 @@ class ScoredRetention(Retention):
         resolved = []
         for length in lengths:
             budget, protected = self.resolve(length)
-            if self.position_limit is not None and budget > self.position_limit:
+            if self.layer_budget is not None:
+                budget = self.layer_budget(budget, protected)
+            if self.position_limit is not None and budget > self.position_limit:  # each layer's own, capped
                 budget, protected = self.position_limit, min(protected, self.position_limit)
-            resolved.append((self.layer_budget(budget, protected) if self.layer_budget is not None else budget, protected))
+            resolved.append((budget, protected))
         budgets, protected = (list(values) for values in zip(*resolved))
         self.budget, self.protected = max(budgets), max(protected)
         if len(set(resolved)) > 1:
@@ -403,11 +400,11 @@ class ScoredRetention(Retention):
             self.free.fill_(self.live)  # while the slots fill, the next one is the append
         return [self.live_t, self.positions, self.scores, self.free, *self.extra.values()]
 
-    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to ``free`` (the append while the slots fill, then the slot evicted last);
         the statistic sees every slot, unfilled ones masked; once every slot is in use the lowest
         is chosen as the next ``free``, all on the device."""
-        query, scaling = self._take_query(1) if self.needs_queries else (None, 1.0)
+        query, scaling = self._checked_query(query, 1)
         slot, slots = self.free, self.positions.shape[-1]
         storage.write_static(slot, keys, values)
         self.positions.scatter_(-1, slot, self.seen_t.expand_as(slot))
@@ -436,21 +433,21 @@ class ScoredRetention(Retention):
         self.has_free = self.live > self.budget
 
     # --- internals --------------------------------------------------------------------------
-    def _take_query(self, q: int) -> tuple[torch.Tensor, float]:
-        pending, self._query = self._query, None
-        if pending is None or pending[0].shape[-2] != min(q, self.query_rows or q):
+    def _checked_query(self, query: tuple[torch.Tensor, float] | None, q: int) -> tuple[torch.Tensor | None, float]:
+        """The forward's queries where the statistic reads them, refusing keys that came without."""
+        if not self.needs_queries:
+            return None, 1.0
+        if query is None or query[0].shape[-2] != min(q, self.query_rows or q):
             raise RuntimeError(
                 f"{type(self).__name__} received keys without the queries of the same forward: use the cache only "
                 "with the model it was built for (its constructor installs the hook that sees the queries)"
             )
-        return pending
+        return query
 
-    def _new_positions(self, keys: torch.Tensor, q: int) -> torch.Tensor | int:
+    def _new_positions(self, keys: torch.Tensor, q: int, padding: torch.Tensor | None) -> torch.Tensor | int:
         """``[batch, kv_heads, q]`` positions of the new tokens, ``-1`` for pads; for one token
         that is real in every row, its position as an int (a decode step builds no tensor)."""
         batch, heads = keys.shape[:2]
-        padding = self._padding
-        self._padding = None
         padded = padding is not None and padding.shape[-1] == self.seen + q
         if q == 1 and not padded:
             return self.seen

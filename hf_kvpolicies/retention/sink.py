@@ -14,8 +14,8 @@ Two things a plain ring with ``sinks > 0`` does not do:
   is already right for every row); a row with ``p`` leading pads has pads in its first
   ``min(p, sinks)`` sink slots, and slot ``j`` of that row receives the token at position
   ``j + max(p, sinks)`` (one of the row's sinks) as it arrives. The slot stays masked until that
-  token leaves the ring, so no token is ever seen twice. The pad count comes from
-  :meth:`observe_padding`; rotation offsets are per row (``e - p``, the row's own evictions).
+  token leaves the ring, so no token is ever seen twice. The pad count comes from the first
+  forward's padding; rotation offsets are per row (``e - p``, the row's own evictions).
 """
 
 from __future__ import annotations
@@ -53,21 +53,19 @@ class SinkRetention(RingRetention):
     def _tracking(self) -> bool:
         return self.sinks > 0 and (self.rotary is not None or self._padded)
 
-    def observe_padding(self, padding: torch.Tensor) -> None:
-        if self.pads is None:
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, padding=None, query=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if padding is not None and self.pads is None:  # the first forward of a padded batch
             self.pads = (padding.cumsum(-1) == 0).sum(-1).cpu()
             self._padded = bool(self.pads.any())
             self._pins_end = int(self.pads.max()) + self.sinks  # a row's displaced sinks end at pads + sinks
-
-    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._tracking:
-            return super().update(storage, keys, values)
+            return super().update(storage, keys, values, padding, query)
         q = keys.shape[-2]
         self._capture(keys, values)
         # tokens this forward's keys leave out: the sinks must sit just before the oldest kept one
         evicted = self.seen + q - self.returned_length(q)
         self._write_sinks(storage, evicted)  # before the read or gather that attention uses
-        out = super().update(storage, keys, values)
+        out = super().update(storage, keys, values, padding, query)
         if self._stale:  # displaced sinks that arrived before all sink slots were filled
             self._write_sinks(storage, evicted)
         return out
@@ -82,14 +80,14 @@ class SinkRetention(RingRetention):
             self.rotary.on_device(storage.device)
         return super()._enter_static(storage)
 
-    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """In-cache positions: the sinks are rewritten every step, rotated by the evictions so far
         (a device offset, so the rotation is built on the device)."""
         if self.rotary is not None:
             evicted = (self.seen_t + 1 - self.ring_capacity).clamp(min=0)
             sink_keys = self.rotary.rotate(self.sink_keys, evicted).to(self.sink_values.dtype)
             storage.rewrite_static(self._sink_slots, sink_keys, self.sink_values)
-        return super().static_step(storage, keys, values)
+        return super().static_step(storage, keys, values, query)
 
     def _leave_static(self, storage: Storage, steps: int) -> None:
         super()._leave_static(storage, steps)

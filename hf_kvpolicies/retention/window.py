@@ -96,10 +96,10 @@ class RingRetention(Retention):
         if storage.is_allocated:
             self._restrict(storage)
 
-    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, padding=None, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.record_past and self.live > self.ring_capacity:
             self._restrict(storage)  # recording was switched off (transformers does so after generate)
-        return super().update(storage, keys, values)
+        return super().update(storage, keys, values, padding, query)
 
     def crop(self, storage: Storage, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens, then keep the band again, as
@@ -142,7 +142,7 @@ class RingRetention(Retention):
         self._entry_next = self._next
         return [self._slot_t]
 
-    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to ``_next`` (an append while the ring fills, then the slot of the token
         leaving the window), which then moves on in place, wrapping to the first ring slot."""
         slot = self._slot_t
