@@ -8,6 +8,7 @@ over the stream: the memory figures are those of the stream the perplexity was m
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -139,6 +140,21 @@ def check_policies(specs: Sequence[str]) -> list[str]:
     return list(specs)
 
 
+def check_out(out: Path) -> None:
+    """``--out`` made ready before any work: a folder this process can write (created if missing),
+    whose ``results.jsonl``, if there, is a file."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file, not a folder: pass a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--out {str(out)!r} cannot be created ({error.strerror}): pass a folder you can write to") from error
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {str(out)!r} is not writable: pass a folder you can write to")
+    if (out / RESULTS).exists() and not (out / RESULTS).is_file():
+        raise UsageError(f"--out {str(out)!r} holds a {RESULTS} that is not a file: pass another folder")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -199,6 +215,7 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
     """Run the pending jobs of this process; write the report once every job has its record."""
     from accelerate import PartialState
 
+    check_out(settings.out)
     device = resolve_device(settings.device)
     state = PartialState(cpu=device.type == "cpu")
     if device.type == "cuda" and state.num_processes > 1 and settings.device_map is None:

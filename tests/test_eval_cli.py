@@ -162,6 +162,19 @@ def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, args, message):
     assert not (tmp_path / RESULTS).exists()
 
 
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_an_out_that_cannot_be_a_folder_exits_2_before_any_work(tiny, tmp_path, capsys, monkeypatch, where):
+    model, text = tiny
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    out = blocker if where == "file" else blocker / "results"
+    monkeypatch.setattr(sweep_module, "load_model", lambda *_: pytest.fail("the model was loaded before --out was checked"))
+    code = cli("eval", "--model", model, "--text-file", text, "--policy", "full", "--task", "perplexity", *TINY, "--out", str(out))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"--out {str(out)!r}" in err and len(err.splitlines()) == 1, err
+    assert blocker.read_text() == "not a folder"
+
+
 def test_a_missing_model_and_an_empty_report_exit_2(tmp_path, capsys):
     assert cli("eval", "--model", str(tmp_path / "nothing"), "--no-progress", "--out", str(tmp_path)) == 2
     assert "cannot load model" in capsys.readouterr().err
