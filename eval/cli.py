@@ -202,7 +202,7 @@ def _eval(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    sweep = run_sweep(_settings(args), policies, tasks)
+    sweep = run_sweep(_settings(args), policies, tasks, _warning("eval"))
     if sweep.complete:
         print(sweep.table, end="")
         print(f"\nresults, tables and plots in {args.out}/ ({RESULTS}, summary.md/.csv/.tex, *.png)")
@@ -212,13 +212,18 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .report import record_problem, write_report
 
-    records = read_records(args.dir / RESULTS)
+    records = read_records(args.dir / RESULTS, _warning("report"), record_problem)
     if not records:
         raise UsageError(f"no records in {args.dir / RESULTS}: run `{PROG} eval --out {args.dir}` first")
     print(write_report(args.dir, records), end="")
     return 0
+
+
+def _warning(command: str) -> Callable[[str], None]:
+    """One line on standard error per problem that does not stop the command."""
+    return lambda message: print(f"{PROG} {command}: warning: {message}", file=sys.stderr)
 
 
 def _quiet_libraries() -> None:

@@ -24,13 +24,68 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import fields as f
 from .protocols import PROTOCOLS
+from .recall import parse_task
+from .records import RECORD
 from .stats import RESAMPLES, Interval, bootstrap
 
 MIB = 2**20
 SETUP = ("model", "gguf_file", "dataset", "device", "dtype")
 APPROXIMATE_NOTE = "approximate: chunked forwards change this policy's result (rerun with --chunk-size 1 for the streaming figure)"
 MARK = "*"
+
+
+COMMON: f.Schema = {
+    **{name: f.text for name in ("model", "dataset", "device", "dtype")},
+    **{name: f.absent_or(f.optional(f.text)) for name in ("gguf_file", "family")},
+    "label": f.absent_or(f.text),
+    "policy_index": f.absent_or(f.count),
+    "budget": f.absent_or(f.optional(f.count)),
+    "bounded": f.absent_or(f.flag),
+    "kept_tokens": f.absent_or(f.optional(f.count)),
+    "kept_fraction": f.absent_or(f.optional(f.number)),
+    "held_bytes": f.absent_or(f.optional(f.count)),
+    "ratio": f.absent_or(f.optional(f.number)),
+    "approximate": f.absent_or(f.flag),
+    "protocol": f.absent_or(f.text),
+    "protocols": f.absent_or(f.nonempty(f.text)),
+}
+"""What the report reads from every record."""
+PROMPTED: f.Schema = {}
+TASK_FIELDS: dict[str, f.Schema] = {
+    "perplexity": {"ppl": f.positive, "tokens": f.count, "curve_positions": f.nonempty(f.number), "curve_ppl": f.nonempty(f.positive)},
+    "memory": {
+        "held_bytes": f.optional(f.count), "footprint_bytes": f.count, "peak_memory_bytes": f.number,
+        "footprint_positions": f.nonempty(f.number), "footprint_trace": f.items(f.number), "held_trace": f.items(f.optional(f.number)),
+    },
+    "speed": {"contexts": f.nonempty(f.count), **{key: f.items(f.positive) for key in ("prefill_ms", "median_ms", "p90_ms", "tokens_per_s")}},
+    "recall": {**PROMPTED, "length": f.count, "cells": f.nonempty(f.record_of({"score": f.number}))},
+    "qa": {**PROMPTED, "f1": f.number, "cells": f.nonempty(f.record_of({"exact_match": f.number, "f1": f.number}))},
+}
+"""What the report reads from the records of each task (recall: every task of the suite)."""
+PAIRED = {
+    "perplexity": ("curve_positions", "curve_ppl"),
+    "memory": ("footprint_positions", "footprint_trace", "held_trace"),
+    "speed": ("contexts", "prefill_ms", "median_ms", "p90_ms", "tokens_per_s"),
+}
+
+
+def record_problem(record: dict) -> str | None:
+    """Why the report cannot use ``record`` (a field missing or of the wrong type), or ``None``."""
+    if f.problem(record, RECORD):
+        return f.problem(record, RECORD)
+    task = record["task"]
+    kind = task if task in TASK_FIELDS else "recall"
+    if kind == "recall":
+        try:
+            parse_task(task)
+        except ValueError:
+            return f"task {task!r} is not one this report knows"
+    found = f.problem(record, {**COMMON, **TASK_FIELDS[kind]}) or f.same_length(record, *PAIRED.get(kind, ()))
+    if found is None and kind in ("recall", "qa") and not ({"protocol", "protocols"} & set(record)):
+        found = "no 'protocol'"
+    return None if found is None else f"{task} record of {record['policy']!r} has {found}"
 
 
 @dataclass
@@ -162,7 +217,7 @@ def _get(task: str, key: str, scale: float = 1.0, at: int | None = None) -> Call
             if at not in contexts:
                 return None
             figure = figure[contexts.index(at)]
-        return figure / scale
+        return None if figure is None else figure / scale
 
     return value
 

@@ -29,8 +29,8 @@ from .budgets import PolicyRun, expand
 from .data import EMBEDDED_TEXT, DataError, load_text, text_label, tokenize
 from .memory import MemoryTrace, decode_peak, memory_in_use, model_devices
 from .perplexity import curve, perplexity, streaming_nll
-from .records import RESULTS, append_record, environment, identity, locked, read_records
-from .report import write_report
+from .records import RESULTS, Warn, append_record, environment, identity, locked, read_records
+from .report import record_problem, write_report
 from .speed import speed_profile
 from .protocols import DEFAULT_PROTOCOLS, answer, check_protocol, protocol_independent
 from .qa import describe, exact_match, is_qa_dataset, load_samples, make_qa_case, token_f1
@@ -211,8 +211,9 @@ def task_params(job: Job, settings: Settings) -> dict:
     }
 
 
-def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str]) -> Sweep:
-    """Run the pending jobs of this process; write the report once every job has its record."""
+def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str], warn: Warn | None = None) -> Sweep:
+    """Run the pending jobs of this process; write the report once every job has its record
+    (``warn`` is told of each line of the results that the report skips)."""
     from accelerate import PartialState
 
     check_out(settings.out)
@@ -236,7 +237,7 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
     }
     jobs = jobs_of(settings, expand(list(policies), settings.budgets, settings.ratios), tasks)
     results = settings.out / RESULTS
-    done = {identity(record) for record in read_records(results)}
+    done = {identity(record) for record in read_records(results, check=record_problem)}
     pending = [job for job in jobs if identity(_key(base, job, settings)) not in done]
     state.wait_for_everyone()  # every process has read the same file before any writes to it
     sweep = Sweep(jobs)
@@ -245,7 +246,7 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str])
     if sweep.ran:
         _run_jobs(settings, sweep.ran, base, device, dtype, *_inputs(settings), results)
     with locked(results):
-        records = read_records(results)
+        records = read_records(results, warn, record_problem)
         have = {identity(record) for record in records}
         sweep.complete = all(identity(_key(base, job, settings)) in have for job in jobs)
         if sweep.complete:
