@@ -1,13 +1,15 @@
 """A sweep: every policy x task on the same tokens, one record each, resumable, splittable.
 
 The sweep's runs are listed in a fixed order; those already in ``results.jsonl`` are dropped;
-the rest are dealt round-robin to the processes of an ``accelerate launch`` (one process: all
-of them). A policy's perplexity and memory always go to the same process and share one pass
-over the stream: the memory figures are those of the stream the perplexity was measured on.
+each process sharing the ``--out`` (those of an ``accelerate launch``, or commands started side
+by side) claims the rest unit by unit (:mod:`eval.claims`), so that every run is done once. A
+policy's perplexity and memory always go to the same process and share one pass over the
+stream: the memory figures are those of the stream the perplexity was measured on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -29,6 +31,7 @@ from .budgets import PolicyRun, expand
 from .data import EMBEDDED_TEXT, DataError, load_text, text_label, tokenize
 from .memory import MemoryTrace, decode_peak, memory_in_use, model_devices
 from .perplexity import curve, perplexity, streaming_nll
+from .claims import claimed, clear
 from .records import RESULTS, Warn, append_record, environment, identity, locked, read_records
 from .report import record_problem, write_report
 from .speed import speed_profile
@@ -237,14 +240,15 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str],
     }
     jobs = jobs_of(settings, expand(list(policies), settings.budgets, settings.ratios), tasks)
     results = settings.out / RESULTS
-    done = {identity(record) for record in read_records(results, check=record_problem)}
+    done = _done(results)
     pending = [job for job in jobs if identity(_key(base, job, settings)) not in done]
-    state.wait_for_everyone()  # every process has read the same file before any writes to it
     sweep = Sweep(jobs)
     units = _units(pending)
-    sweep.ran = [job for unit in units[state.process_index :: state.num_processes] for job in unit]
-    if sweep.ran:
-        _run_jobs(settings, sweep.ran, base, device, dtype, *_inputs(settings), results)
+    start = len(units) * state.process_index // state.num_processes  # processes start apart, then take what is free
+    try:
+        sweep.ran = _run_claimed(settings, units[start:] + units[:start], base, device, dtype, results)
+    finally:
+        clear(settings.out)
     with locked(results):
         records = read_records(results, warn, record_problem)
         have = {identity(record) for record in records}
@@ -252,6 +256,34 @@ def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str],
         if sweep.complete:
             sweep.table = write_report(settings.out, records)
     return sweep
+
+
+def _done(results: Path) -> set[str]:
+    """The identities of the runs that have a usable record."""
+    return {identity(record) for record in read_records(results, check=record_problem)}
+
+
+def _run_claimed(settings: Settings, units: list[list[Job]], base: dict, device, dtype, results: Path) -> list[Job]:
+    """Run every unit that no other process holds or has finished (:mod:`eval.claims`), loading
+    the model at the first one; return the jobs run."""
+    ran: list[Job] = []
+    bench = bar = None
+    for unit in units:
+        with claimed(settings.out, json.dumps(sorted(identity(_key(base, job, settings)) for job in unit))) as mine:
+            if not mine:
+                continue
+            done = _done(results)  # another process may have finished it since this one read the results
+            todo = [job for job in unit if identity(_key(base, job, settings)) not in done]
+            if not todo:
+                continue
+            if bench is None:
+                bench = _prepare(settings, [job for unit in units for job in unit], device, dtype)
+                bar = tqdm(total=sum(map(len, units)), disable=not settings.progress, desc="runs", unit="run")
+            _run_unit(settings, bench, todo, base, results, bar)
+            ran += todo
+    if bar is not None:
+        bar.close()
+    return ran
 
 
 def _inputs(settings: Settings) -> tuple[str, list[dict]]:
@@ -265,7 +297,7 @@ def _inputs(settings: Settings) -> tuple[str, list[dict]]:
 def _units(jobs: list[Job]) -> list[list[Job]]:
     """The jobs in units that one process runs together: a policy run's perplexity and memory
     share a stream, its recall tasks at one length and protocol share batches; speed and QA stand
-    alone. Units are dealt round-robin to the processes."""
+    alone. Each process claims the units it runs (:func:`_run_claimed`)."""
     units: dict[tuple, list[Job]] = {}
     for job in jobs:
         if job.task in ("perplexity", "memory"):
@@ -291,7 +323,22 @@ def _context_of(job: Job, settings: Settings) -> int:
     return job.length or settings.qa_max_tokens
 
 
-def _run_jobs(settings, jobs, base, device, dtype, text, samples, results) -> None:
+@dataclass
+class Bench:
+    """What this process runs its jobs with: the model, its tokenizer and the inputs."""
+
+    model: object
+    tokenizer: object
+    ids: torch.Tensor
+    samples: list[dict]
+    case_of: Callable
+    environment: dict
+
+
+def _prepare(settings: Settings, jobs: list[Job], device: torch.device, dtype: torch.dtype) -> Bench:
+    """Load the model and the inputs, and check every job (protocols, constructors, recall
+    cases) before the first long run."""
+    text, samples = _inputs(settings)
     model, tokenizer = _model(settings, device, dtype)
     tasks = {job.task for job in jobs}
     ids = _ids(settings, tokenizer, text, tasks)
@@ -309,16 +356,17 @@ def _run_jobs(settings, jobs, base, device, dtype, text, samples, results) -> No
         _check_case(settings, tokenizer, haystack, job)
     case_of = lru_cache(maxsize=None)(lambda task, length, depth, seed: _case(tokenizer, haystack, task, length, depth, seed))
     _warm_up(model, ids)
-    environment_fields = environment()
-    bar = tqdm(total=len(jobs), disable=not settings.progress, desc="runs", unit="run")
-    for unit in _units(jobs):
-        for job, record in _measure(settings, model, tokenizer, ids, case_of, samples, unit):
-            record.update(_key(base, job, settings), **_sweep_fields(job), policy_index=job.index, **environment_fields)
-            record["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            append_record(results, record)
-            tqdm.write(f"{_task_label(job):>22}  {job.run.label}: {_headline(record)}  ({record['elapsed_s']:.1f} s)", file=sys.stderr)
-            bar.update()
-    bar.close()
+    return Bench(model, tokenizer, ids, samples, case_of, environment())
+
+
+def _run_unit(settings: Settings, bench: Bench, unit: list[Job], base: dict, results: Path, bar: tqdm) -> None:
+    """Run the jobs of one unit, appending each record as it is made."""
+    for job, record in _measure(settings, bench.model, bench.tokenizer, bench.ids, bench.case_of, bench.samples, unit):
+        record.update(_key(base, job, settings), **_sweep_fields(job), policy_index=job.index, **bench.environment)
+        record["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        append_record(results, record)
+        tqdm.write(f"{_task_label(job):>22}  {job.run.label}: {_headline(record)}  ({record['elapsed_s']:.1f} s)", file=sys.stderr)
+        bar.update()
 
 
 def _sweep_fields(job: Job) -> dict:

@@ -220,6 +220,23 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
     assert rows(tmp_path / "two") == rows(tmp_path / "one") == ["| policy", "| full", "| window:window=16", "| window:window=8"]
 
 
+def test_two_commands_on_one_out_run_each_run_once(tiny, tmp_path):
+    """Two ``eval`` commands started side by side on one ``--out`` split its 6 runs by claims (H2O
+    streams token by token: each run lasts long enough for the two to overlap)."""
+    model, text = tiny
+    policies = ("h2o:heavy=4,recent=4", "h2o:heavy=8,recent=8", "window:window=8")
+    args = ["-m", "eval.cli", "eval", "--model", model, "--text-file", text, *(f"--policy={p}" for p in policies), *TINY,
+            "--tokens", "300", "--task", "perplexity", "--task", "memory", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for process in both:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+    records = read_records(tmp_path / RESULTS)
+    assert sorted((r["policy"], r["task"]) for r in records) == sorted((p, t) for p in policies for t in ("perplexity", "memory"))
+    assert (tmp_path / "summary.md").exists() and sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
+
+
 def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
     monkeypatch.setattr(sweep_module, "available_policies", lambda: ["full", "window"])
     notes = []

@@ -17,21 +17,19 @@ from eval.records import RESULTS, append_record, identity, read_records
 POLICIES = ["full", "window:window=8"]
 
 
-def made_up(settings, jobs, base, *_, results) -> None:
-    """What :func:`eval.sweep._run_jobs` appends, without a model: a perplexity record per job."""
-    for job in jobs:
+def made_up(settings, model, tokenizer, ids, case_of, samples, unit):
+    """What :func:`eval.sweep._measure` yields, without a model: a perplexity record per job."""
+    for job in unit:
         ppl = 10.0 + job.index
-        append_record(results, {
-            **sweep_module._key(base, job, settings), **sweep_module._sweep_fields(job), "policy_index": job.index,
-            "ppl": ppl, "tokens": settings.tokens, "curve_positions": [24, 47], "curve_ppl": [ppl, ppl], "approximate": False,
-        })
+        yield job, {"ppl": ppl, "tokens": settings.tokens, "curve_positions": [24, 47], "curve_ppl": [ppl, ppl],
+                    "approximate": False, "elapsed_s": 0.0}
 
 
 @pytest.fixture
 def offline(monkeypatch):
-    """The sweep with made-up measurements and no text to load; the plots left out (tables only)."""
-    monkeypatch.setattr(sweep_module, "_run_jobs", lambda settings, jobs, base, device, dtype, text, samples, results: made_up(settings, jobs, base, results=results))
-    monkeypatch.setattr(sweep_module, "_inputs", lambda settings: ("", []))
+    """The sweep with made-up measurements and no model or text to load; the plots left out."""
+    monkeypatch.setattr(sweep_module, "_prepare", lambda settings, jobs, device, dtype: sweep_module.Bench(None, None, None, [], None, {}))
+    monkeypatch.setattr(sweep_module, "_measure", made_up)
     monkeypatch.setattr(report_module, "plots", lambda table, out: [])
 
 
@@ -137,3 +135,40 @@ def test_no_value_of_any_field_makes_the_report_raise():
                 markdown(table), csv_text(table), latex(table)
                 rendered += 1
     assert refused > 100 and rendered > 20
+
+
+def test_a_process_passes_by_a_unit_another_process_holds_and_the_last_one_reports(tmp_path, offline, monkeypatch):
+    """While this process measures the full cache (its claim held), a second sweep on the same
+    ``--out`` starts: it leaves the full cache alone and does the window; the first then finds the
+    window done, and, finishing last, writes the report. Every run once, no claim left behind."""
+    nested: list[sweep_module.Sweep] = []
+
+    def measure(settings, model, tokenizer, ids, case_of, samples, unit):
+        if unit[0].run.policy == "full" and not nested:
+            nested.append(resume(tmp_path / "out", []))  # the second process, started meanwhile
+        yield from made_up(settings, model, tokenizer, ids, case_of, samples, unit)
+
+    monkeypatch.setattr(sweep_module, "_measure", measure)
+    first = resume(tmp_path / "out", [])
+    [second] = nested
+    assert [job.run.policy for job in second.ran] == ["window:window=8"] and not second.complete
+    assert [job.run.policy for job in first.ran] == ["full"] and first.complete
+    records = read_records(tmp_path / "out" / RESULTS)
+    assert sorted(r["policy"] for r in records) == ["full", "window:window=8"]
+    assert (tmp_path / "out" / "summary.md").exists() and not (tmp_path / "out" / ".claims").exists()
+
+
+def test_the_claim_a_killed_process_left_behind_does_not_block_a_resume(tmp_path, offline, monkeypatch):
+    from eval import claims
+
+    keys: list[str] = []
+    real = sweep_module.claimed
+    monkeypatch.setattr(sweep_module, "claimed", lambda out, key: keys.append(key) or real(out, key))
+    assert resume(tmp_path / "whole", []).complete and len(keys) == 2
+    out = tmp_path / "killed"
+    for key in keys:  # a killed process's claim: its file stays, its lock went with the process
+        claims.claim_path(out, key).parent.mkdir(parents=True, exist_ok=True)
+        claims.claim_path(out, key).write_text("host pid 1 since 2026-01-01T00:00:00+00:00\n")
+    sweep = resume(out, [])
+    assert sweep.complete and len(sweep.ran) == 2 and len(read_records(out / RESULTS)) == 2
+    assert not (out / ".claims").exists()
