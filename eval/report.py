@@ -50,6 +50,7 @@ COMMON: f.Schema = {
     "approximate": f.absent_or(f.flag),
     "protocol": f.absent_or(f.text),
     "protocols": f.absent_or(f.nonempty(f.text)),
+    "built": f.absent_or(f.record_of({"class": f.text, "parameters": f.record_of({})})),
 }
 """What the report reads from every record."""
 PROMPTED: f.Schema = {}
@@ -347,7 +348,19 @@ def markdown(table: Table) -> str:
         lines.append("| " + " | ".join([row.label(table.with_setup), *_cells(table, index, "x")]) + " |")
     if _any_approximate(table):
         lines += ["", f"{MARK} {APPROXIMATE_NOTE}"]
+    built = [f"- `{row.label(table.with_setup)}`: {text}" for row in table.rows if (text := built_as(row))]
+    if built:
+        lines += ["", "Built as (class and the keywords its spec resolved to):", *built]
     return "\n".join(lines) + "\n"
+
+
+def built_as(row: Row) -> str | None:
+    """``"SnapKVCache(budget=32, window=8)"``: what a row's records say its cache was built as."""
+    built = row.any_record().get("built")
+    if built is None:
+        return None
+    keywords = ", ".join(f"{key}={value}" for key, value in built["parameters"].items())
+    return f"{built['class']}({keywords})"
 
 
 def csv_text(table: Table) -> str:

@@ -383,13 +383,15 @@ def _task_label(job: Job) -> str:
 
 
 def _policy_fields(cache, spec: str, swept: int | None) -> dict:
-    """What every record says about the cache it measured: the spec built, its budget (the one
-    swept, else the most tokens its first governed layer keeps, ``None`` when not known before
-    the first forward), whether its class is bounded, and the layers it governs."""
+    """What every record says about the cache it measured: the spec built and what it was built
+    as (the class and the keywords the spec resolved to, budget parameters included), its budget
+    (the one swept, else the most tokens its first governed layer keeps, ``None`` when not known
+    before the first forward), whether its class is bounded, and the layers it governs."""
     ours = isinstance(cache, PolicyCache)
     limit = cache.layers[cache.first_policy_layer].get_max_length() if ours else -1
     return {
         "spec": spec,
+        "built": {"class": type(cache).__name__, "parameters": parse_spec(spec)[1]},
         "budget": swept if swept is not None else (limit if limit >= 0 else None),
         "bounded": ours and type(cache).budget_parameters(1) is not None,
         "governed_layers": cache.governed_layers if ours else None,

@@ -305,10 +305,31 @@ def test_a_budget_sweep_records_budgets_and_kept_fractions(tiny, tmp_path):
         ("window:window=8", 8, 8 / 47), ("window:window=16", 16, 16 / 47), ("window:window=5", 5, 5 / 47)
     ]
     assert records["full"]["budget"] is None and records["full"]["kept_fraction"] == 1.0
+    assert records["window @8"]["built"] == {"class": "SlidingWindowCache", "parameters": {"window": 8}}
+    assert records["full"]["built"] == {"class": "FullCache", "parameters": {}}
+    assert "- `window @16`: SlidingWindowCache(window=16)" in (tmp_path / "b" / "summary.md").read_text()
     assert (tmp_path / "b" / "frontier_ppl_ratio.png").stat().st_size > 0
     assert cli(*args, "--ratios", "0.25", "--out", str(tmp_path / "r")) == 0
     ratio = next(r for r in read_records(tmp_path / "r" / RESULTS) if r["label"] == "window @0.25x")
     assert ratio["spec"] == "window:window=12" and ratio["ratio"] == 0.25  # a quarter of the 48-token stream
+
+
+def test_records_say_what_each_budget_built(tiny, tmp_path):
+    """A budget maps onto keywords the library chooses (SnapKV's window, KNorm's recent): each
+    record shows the class and the keywords it was built with, whatever they are."""
+    from hf_kvpolicies.specs import parse_spec, policy_constructor
+
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "snapkv", "--policy", "knorm", *TINY[:-2],
+            "--task", "perplexity", "--budgets", "12", "--no-progress", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    records = {r["label"]: r for r in read_records(tmp_path / RESULTS)}
+    for name, cls in (("snapkv", "SnapKVCache"), ("knorm", "KNormCache")):
+        built = records[f"{name} @12"]["built"]
+        assert built == {"class": cls, "parameters": policy_constructor(name).budget_parameters(12)}
+        assert built["parameters"] == parse_spec(records[f"{name} @12"]["spec"])[1] and built["parameters"]["budget"] == 12
+        keywords = ", ".join(f"{k}={v}" for k, v in built["parameters"].items())
+        assert f"- `{name} @12`: {cls}({keywords})" in (tmp_path / "summary.md").read_text()
 
 
 def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
