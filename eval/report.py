@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,9 +111,8 @@ class Row:
             return any(r.get("approximate") for (_, _, p), r in self.recall.items() if not protocol or p == protocol)
         return bool(self.records.get(task, {}).get("approximate"))
 
-    def label(self, with_setup: bool = False, task: str | None = None) -> str:
-        text = (self.name or self.policy) + (" (approx.)" if task is not None and self.approximate(task) else "")
-        return f"{setup_label(self.setup)} | {text}" if with_setup else text
+    def label(self, task: str | None = None) -> str:
+        return (self.name or self.policy) + (" (approx.)" if task is not None and self.approximate(task) else "")
 
     def any_record(self) -> dict:
         return next(iter([*self.records.values(), *self.recall.values(), *self.qa.values()]), {})
@@ -146,6 +146,80 @@ class Column:
 def setup_label(setup: tuple) -> str:
     model, gguf, dataset, device, dtype = setup
     return f"{model}{'/' + gguf if gguf else ''}, {dataset}, {device} {dtype}"
+
+
+SWEPT = ("budget", "ratio")
+"""Params that vary from row to row of one table: the sweep's budget or ratio."""
+DIMENSIONS = {"recall": ("length", "protocol", "protocols"), "qa": ("protocol", "protocols"), "speed": ("contexts",)}
+"""Params that a task's table shows as columns of their own (each column one value of them)."""
+
+
+def kind_of(record: dict) -> str:
+    """The task whose columns show a record: its own, or ``recall`` for every task of the suite."""
+    return record["task"] if record["task"] in TASK_FIELDS else "recall"
+
+
+def setting_of(record: dict) -> dict:
+    """The params a record's figure depends on that are the same in every row and column of a
+    table: its setting (``--tokens``, ``--depths``, ``--seeds``, ``--chunk-size``...)."""
+    shown = SWEPT + DIMENSIONS.get(kind_of(record), ())
+    return {key: value for key, value in sorted(record["params"].items()) if key not in shown}
+
+
+@dataclass
+class Section:
+    """The records of one setup (model, dataset, device, dtype) and one setting per task: what
+    one table and one set of plots may hold, so that no figure is set beside one measured
+    under other settings."""
+
+    number: int
+    setup: tuple
+    settings: dict[str, dict]
+    """Each task's setting (:func:`setting_of`)."""
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def suffix(self) -> str:
+        """What the file names of this section's plots end with: nothing for the first."""
+        return "" if self.number == 1 else f"-{self.number}"
+
+    def describe(self) -> str:
+        """``"perplexity, memory: chunk_size=auto, tokens=64; passkey: ..."``: the settings in words."""
+        grouped: dict[str, list[str]] = {}
+        for kind, setting in self.settings.items():
+            text = ", ".join(f"{key}={_plain(value)}" for key, value in setting.items()) or "no settings"
+            grouped.setdefault(text, []).append(kind)
+        return "; ".join(f"{', '.join(kinds)}: {text}" for text, kinds in grouped.items())
+
+
+def _plain(value: object) -> str:
+    return "/".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def sections(records: list[dict]) -> list[Section]:
+    """The records split by setup and setting, in the order first seen. Within a setup, the
+    first setting of each task goes to its first section, the second to the second, and so on: a
+    run of the sweep with other ``--tokens`` makes a section of its own, holding just its own
+    figures beside the full cache measured with them."""
+    found: dict[tuple, dict[str, list[str]]] = {}
+    placed: list[tuple[tuple, int, str, dict, dict]] = []
+    for record in records:
+        setup = tuple(record.get(name) for name in SETUP)
+        kind, setting = kind_of(record), setting_of(record)
+        known = found.setdefault(setup, {}).setdefault(kind, [])
+        key = json.dumps(setting, sort_keys=True)
+        if key not in known:
+            known.append(key)
+        placed.append((setup, known.index(key), kind, setting, record))
+    by_key: dict[tuple, Section] = {}
+    for setup, index, kind, setting, record in placed:
+        section = by_key.setdefault((setup, index), Section(0, setup, {}))
+        section.settings.setdefault(kind, setting)
+        section.records.append(record)
+    ordered = sorted(by_key.items(), key=lambda item: (list(found).index(item[0][0]), item[0][1]))
+    for number, (_, section) in enumerate(ordered, start=1):
+        section.number = number
+    return [section for _, section in ordered]
 
 
 def rows(records: list[dict]) -> list[Row]:
@@ -183,6 +257,18 @@ def recall_cells(row: Row, protocol: str, task: str | None = None, length: int |
         if p == protocol and task in (None, t) and length in (None, n)
         for cell in record["cells"]
     ]
+
+
+def suite_cells(table_rows: list[Row], protocol: str, task: str | None = None) -> Callable[[Row], list[float]]:
+    """:func:`recall_cells` over several tasks or lengths, for the rows that have every (task,
+    length) that some row of the table has under ``protocol``; none for the others, so that no
+    mean over other cells is set beside theirs."""
+
+    def keys(row: Row) -> set[tuple[str, int]]:
+        return {(t, n) for (t, n, p) in row.recall if p == protocol and task in (None, t)}
+
+    wanted = set().union(*map(keys, table_rows))
+    return lambda row: recall_cells(row, protocol, task) if keys(row) == wanted else []
 
 
 def _interval(cells: Callable[[Row], list[float]]) -> Callable[[Row], Interval | None]:
@@ -245,7 +331,7 @@ def columns(table_rows: list[Row]) -> list[Column]:
         chosen.append(Column(f"tok/s @{largest}", "speed", _get("speed", "tokens_per_s", at=largest), 1))
     for protocol in protocols_of(table_rows):
         if any(p == protocol for row in table_rows for (_, _, p) in row.recall):
-            cells = lambda row, protocol=protocol: recall_cells(row, protocol)  # noqa: E731
+            cells = suite_cells(table_rows, protocol)
             chosen.append(Column(f"recall {protocol}", f"recall {protocol}", _mean_of(cells), 2, _interval(cells)))
         if any(protocol in row.qa for row in table_rows):
             for key, title in (("exact_match", "QA EM"), ("f1", "QA F1")):
@@ -272,27 +358,33 @@ class Table:
     rows: list[Row]
     values: list[list[float | None]]
     ratios: list[list[float | None]]
-    with_setup: bool
     caption: str
     intervals: list[list[Interval | None]]
+    section: Section
 
 
 def summarize(records: list[dict], choose: Callable[[list[Row]], list[Column]] = columns) -> Table:
-    table_rows = rows(records)
+    """The table of records of one section (:func:`sections`); ``ValueError`` for records of
+    several, which no table may set side by side."""
+    parts = sections(records)
+    if len(parts) > 1:
+        raise ValueError(f"the records hold {len(parts)} settings ({' | '.join(f'{setup_label(part.setup)}: {part.describe()}' for part in parts)}): tabulate each of sections(records)")
+    return tabulate(parts[0] if parts else Section(1, (None,) * len(SETUP), {}), choose)
+
+
+def tabulate(section: Section, choose: Callable[[list[Row]], list[Column]] = columns) -> Table:
+    """The table of one section's records."""
+    table_rows = rows(section.records)
     cols = choose(table_rows)
     values = [[column.value(row) for column in cols] for row in table_rows]
     intervals = [[column.interval(row) if column.interval else None for column in cols] for row in table_rows]
-    ratios = []
-    for row, row_values in zip(table_rows, values):
-        base = baseline([other for other in table_rows if other.setup == row.setup])
-        base_values = values[table_rows.index(base)] if base is not None else [None] * len(cols)
-        ratios.append([
-            _ratio(value, reference) if column.ratio else None
-            for value, reference, column in zip(row_values, base_values, cols)
-        ])
-    setups = list(dict.fromkeys(row.setup for row in table_rows))
-    has_base = any(baseline([row for row in table_rows if row.setup == setup]) for setup in setups)
-    return Table(cols, table_rows, values, ratios, len(setups) > 1, _caption(table_rows, setups, has_base, cols), intervals)
+    base = baseline(table_rows)
+    base_values = values[table_rows.index(base)] if base is not None else [None] * len(cols)
+    ratios = [
+        [_ratio(value, reference) if column.ratio else None for value, reference, column in zip(row_values, base_values, cols)]
+        for row_values in values
+    ]
+    return Table(cols, table_rows, values, ratios, _caption(section, table_rows, base is not None, cols), intervals, section)
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
@@ -301,11 +393,8 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
-def _caption(table_rows: list[Row], setups: list[tuple], has_base: bool, cols: list[Column]) -> str:
-    parts = [setup_label(setup) for setup in setups] if len(setups) == 1 else []
-    first = table_rows[0].records if table_rows else {}
-    if "perplexity" in first:
-        parts.append(f"{first['perplexity']['tokens']} tokens of streaming perplexity")
+def _caption(section: Section, table_rows: list[Row], has_base: bool, cols: list[Column]) -> str:
+    parts = [setup_label(section.setup), section.describe()] if section.settings else []
     if any(column.title == "KV held MiB" for column in cols):
         parts.append("KV held = keys and values of the tokens kept, KV allocated = every tensor the cache holds (spare capacity and bookkeeping included); memory ratios are on bytes held")
     recall = [row.recall for row in table_rows if row.recall]
@@ -345,10 +434,10 @@ def markdown(table: Table) -> str:
     header = ["policy", *[column.title for column in table.columns]]
     lines = [f"_{table.caption}_", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for index, row in enumerate(table.rows):
-        lines.append("| " + " | ".join([row.label(table.with_setup), *_cells(table, index, "x")]) + " |")
+        lines.append("| " + " | ".join([row.label(), *_cells(table, index, "x")]) + " |")
     if _any_approximate(table):
         lines += ["", f"{MARK} {APPROXIMATE_NOTE}"]
-    built = [f"- `{row.label(table.with_setup)}`: {text}" for row in table.rows if (text := built_as(row))]
+    built = [f"- `{row.label()}`: {text}" for row in table.rows if (text := built_as(row))]
     if built:
         lines += ["", "Built as (class and the keywords its spec resolved to):", *built]
     return "\n".join(lines) + "\n"
@@ -363,24 +452,33 @@ def built_as(row: Row) -> str | None:
     return f"{built['class']}({keywords})"
 
 
-def csv_text(table: Table) -> str:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    header = ["model", "dataset", "device", "dtype", "policy", "approximate"]
-    for column in table.columns:
-        header += [column.title, f"{column.title} vs full"]
-        if column.interval:
-            header += [f"{column.title} ci95 low", f"{column.title} ci95 high"]
-    writer.writerow(header)
-    for row, values, ratios, intervals in zip(table.rows, table.values, table.ratios, table.intervals):
-        model, gguf, dataset, device, dtype = row.setup
-        approximate = ";".join(sorted({column.task for column in table.columns if row.approximate(column.task)}))
-        line = [model + (f"/{gguf}" if gguf else ""), dataset, device, dtype, row.label(), approximate]
-        for value, ratio, interval, column in zip(values, ratios, intervals, table.columns):
-            line += [_number(value), _number(ratio)]
+def csv_text(*tables: Table) -> str:
+    """One CSV of the rows of every table, each row with its setting (the section's number and
+    its settings in words) and its ratios to the full cache of its own table."""
+    header = ["setting", "settings", "model", "dataset", "device", "dtype", "policy", "approximate"]
+    lines = []
+    for table in tables:
+        for column in table.columns:
+            header += [name for name in (column.title, f"{column.title} vs full") if name not in header]
             if column.interval:
-                line += [_number(interval.low if interval else None), _number(interval.high if interval else None)]
-        writer.writerow(line)
+                header += [name for name in (f"{column.title} ci95 low", f"{column.title} ci95 high") if name not in header]
+        for row, values, ratios, intervals in zip(table.rows, table.values, table.ratios, table.intervals):
+            model, gguf, dataset, device, dtype = row.setup
+            approximate = ";".join(sorted({column.task for column in table.columns if row.approximate(column.task)}))
+            line = {
+                "setting": table.section.number, "settings": table.section.describe(), "model": model + (f"/{gguf}" if gguf else ""),
+                "dataset": dataset, "device": device, "dtype": dtype, "policy": row.label(), "approximate": approximate,
+            }
+            for value, ratio, interval, column in zip(values, ratios, intervals, table.columns):
+                line[column.title], line[f"{column.title} vs full"] = _number(value), _number(ratio)
+                if column.interval:
+                    line[f"{column.title} ci95 low"] = _number(interval.low if interval else None)
+                    line[f"{column.title} ci95 high"] = _number(interval.high if interval else None)
+            lines.append(line)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, header, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(lines)
     return buffer.getvalue()
 
 
@@ -402,8 +500,6 @@ def latex(table: Table) -> str:
     lines.append(r"\midrule")
     for index, row in enumerate(table.rows):
         name = r"\texttt{" + _tex(row.label()) + "}"
-        if table.with_setup:
-            name = _tex(setup_label(row.setup)) + ": " + name
         lines.append(" & ".join([name, *_cells(table, index, r"$\times$")]) + r" \\")
     lines.append(r"\bottomrule")
     lines.append(r"\end{tabular}")
@@ -450,7 +546,7 @@ def _perplexity_plot(table: Table, path: Path) -> bool:
     for i, row in enumerate(plotted):
         record = row.records["perplexity"]
         smooth = moving_average(record["curve_ppl"])
-        axes.plot(record["curve_positions"], smooth, label=row.label(table.with_setup, "perplexity"), markevery=max(1, len(smooth) // 8), **_style(i))
+        axes.plot(record["curve_positions"], smooth, label=row.label("perplexity"), markevery=max(1, len(smooth) // 8), **_style(i))
     axes.set_yscale("log")
     axes.set_xlabel("tokens")
     axes.set_ylabel("perplexity per bin, moving average of 5 (log scale)")
@@ -474,7 +570,7 @@ def _trace_plot(table: Table, task: str, x: str, series: list[tuple[str, str]], 
             if record.get(key) is None or None in record[key]:
                 continue
             style = {**style, "linestyle": LINESTYLES[j]}
-            label = row.label(table.with_setup, task) + (f" ({name})" if name else "")
+            label = row.label(task) + (f" ({name})" if name else "")
             axes.plot(record[x], [value / scale for value in record[key]], label=label, markevery=max(1, len(record[x]) // 8), **style)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
@@ -501,7 +597,7 @@ def measures(table_rows: list[Row]) -> list[Measure]:
     found = []
     if any("perplexity" in row.records for row in table_rows):
         def ppl_ratio(row: Row) -> float | None:
-            base = baseline([other for other in table_rows if other.setup == row.setup])
+            base = baseline(table_rows)
             if "perplexity" not in row.records or base is None or "perplexity" not in base.records:
                 return None
             return row.records["perplexity"]["ppl"] / base.records["perplexity"]["ppl"]
@@ -511,13 +607,13 @@ def measures(table_rows: list[Row]) -> list[Measure]:
         keys = sorted({(t, n) for row in table_rows for (t, n, p) in row.recall if p == protocol})
         if keys:
             found.append(Measure(
-                f"recall_mean_{protocol}", _mean_of(lambda row, p=protocol: recall_cells(row, p)),
+                f"recall_mean_{protocol}", _mean_of(suite_cells(table_rows, protocol)),
                 f"recall suite mean, {protocol} (higher is better)",
                 lambda row, p=protocol: next((r for (_, _, q), r in row.recall.items() if q == p), None),
             ))
         for task in sorted({t for t, _ in keys}):
             found.append(Measure(
-                f"{task}_{protocol}", _mean_of(lambda row, t=task, p=protocol: recall_cells(row, p, t)),
+                f"{task}_{protocol}", _mean_of(suite_cells(table_rows, protocol, task)),
                 f"{task} score, {protocol} (higher is better)",
                 lambda row, t=task, p=protocol: next((r for (u, _, q), r in row.recall.items() if q == p and u == t), None),
             ))
@@ -539,23 +635,23 @@ def _frontier_plot(table: Table, measure: Measure, path: Path) -> bool:
     by_fraction = any(row.any_record().get("ratio") is not None for row, _ in points)
     figure = _figure(11.0, 4.2)
     left, right = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    families = list(dict.fromkeys((row.setup, row.family) for row, _ in points if row.budget is not None))
-    for i, (setup, family) in enumerate(families):
-        members = [(row, value) for row, value in points if row.budget is not None and (row.setup, row.family) == (setup, family)]
+    families = list(dict.fromkeys(row.family for row, _ in points if row.budget is not None))
+    for i, family in enumerate(families):
+        members = [(row, value) for row, value in points if row.budget is not None and row.family == family]
         xs = [_frontier_x(row, measure, by_fraction) for row, _ in members]
         line = sorted((x, value) for x, (_, value) in zip(xs, members) if x is not None)
-        label = family if not table.with_setup else f"{setup_label(setup)} | {family}"
+        label = family
         if line:
             left.plot([x for x, _ in line], [v for _, v in line], label=label, **_style(i))
         held = sorted((_held_mib(measure, row), value) for row, value in members if _held_mib(measure, row) is not None)
         if held:
             right.plot([x for x, _ in held], [v for _, v in held], label=label, **_style(i))
     for j, (row, value) in enumerate((row, value) for row, value in points if row.budget is None):
-        is_full = row is baseline([other for other in table.rows if other.setup == row.setup])
-        left.axhline(value, color="black" if is_full else "gray", linestyle="-" if is_full else LINESTYLES[1 + j % 3], linewidth=1.2, label=row.label(table.with_setup))
+        is_full = row is baseline(table.rows)
+        left.axhline(value, color="black" if is_full else "gray", linestyle="-" if is_full else LINESTYLES[1 + j % 3], linewidth=1.2, label=row.label())
         held = _held_mib(measure, row)
         if held is not None:
-            right.plot([held], [value], linestyle="none", color="black" if is_full else "gray", marker="*" if is_full else "x", markersize=9, label=row.label(table.with_setup))
+            right.plot([held], [value], linestyle="none", color="black" if is_full else "gray", marker="*" if is_full else "x", markersize=9, label=row.label())
     left.set_xlabel("kept fraction of the context (measured)" if by_fraction else "budget (tokens kept per layer)")
     left.set_xscale("log", base=2)
     right.set_xlabel("KV held per sequence (MiB, log scale)")
@@ -588,18 +684,19 @@ def _held_mib(measure: Measure, row: Row) -> float | None:
 
 
 def plots(table: Table, out: Path) -> list[Path]:
+    """The plots of one table, named ``NAME{suffix}.png`` after its section (:attr:`Section.suffix`)."""
     made = []
-    if _perplexity_plot(table, out / "perplexity.png"):
-        made.append(out / "perplexity.png")
+    path = lambda name: out / f"{name}{table.section.suffix}.png"  # noqa: E731
+    if _perplexity_plot(table, path("perplexity")):
+        made.append(path("perplexity"))
     memory = [("held_trace", "held"), ("footprint_trace", "allocated")]
-    if _trace_plot(table, "memory", "footprint_positions", memory, MIB, "tokens", "KV cache (MiB): held solid, allocated dashed", out / "memory.png"):
-        made.append(out / "memory.png")
-    if _trace_plot(table, "speed", "contexts", [("median_ms", "")], 1, "context (tokens)", "decode ms/token (median)", out / "latency.png"):
-        made.append(out / "latency.png")
+    if _trace_plot(table, "memory", "footprint_positions", memory, MIB, "tokens", "KV cache (MiB): held solid, allocated dashed", path("memory")):
+        made.append(path("memory"))
+    if _trace_plot(table, "speed", "contexts", [("median_ms", "")], 1, "context (tokens)", "decode ms/token (median)", path("latency")):
+        made.append(path("latency"))
     for measure in measures(table.rows):
-        path = out / f"frontier_{measure.name}.png"
-        if _frontier_plot(table, measure, path):
-            made.append(path)
+        if _frontier_plot(table, measure, path(f"frontier_{measure.name}")):
+            made.append(path(f"frontier_{measure.name}"))
     return made
 
 
@@ -611,15 +708,24 @@ def _write(path: Path, text: str) -> None:
 
 def write_report(out: Path, records: list[dict]) -> str:
     """Write ``summary.{md,csv,tex}``, ``recall.{md,csv}`` (per task, length and protocol) and the
-    plots into ``out``; return the Markdown summary."""
-    table = summarize(records)
-    text = markdown(table)
+    plots into ``out``, a table and a set of plots per section (:func:`sections`); return the
+    Markdown summary."""
+    parts = sections(records)
+    tables = [tabulate(section) for section in parts]
+    details = [tabulate(section, recall_columns) for section in parts]
+    pictures = [plots(table, out) for table in tables]
+    texts = [markdown(table) for table in tables]
+    if len(parts) > 1:
+        texts = [
+            f"## Setting {section.number} of {len(parts)}\n\n{text}\nPlots: {', '.join(path.name for path in made) or 'none'}\n"
+            for section, text, made in zip(parts, texts, pictures)
+        ]
+    text = "\n".join(texts)
     _write(out / "summary.md", text)
-    _write(out / "summary.csv", csv_text(table))
-    _write(out / "summary.tex", latex(table))
-    detail = summarize(records, recall_columns)
-    if detail.columns:
-        _write(out / "recall.md", markdown(detail))
-        _write(out / "recall.csv", csv_text(detail))
-    plots(table, out)
+    _write(out / "summary.csv", csv_text(*tables))
+    _write(out / "summary.tex", "\n".join(latex(table) for table in tables))
+    detailed = [table for table in details if table.columns]
+    if detailed:
+        _write(out / "recall.md", "\n".join(markdown(table) for table in detailed))
+        _write(out / "recall.csv", csv_text(*detailed))
     return text

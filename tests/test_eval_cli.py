@@ -332,6 +332,21 @@ def test_records_say_what_each_budget_built(tiny, tmp_path):
         assert f"- `{name} @12`: {cls}({keywords})" in (tmp_path / "summary.md").read_text()
 
 
+def test_a_second_sweep_with_other_tokens_gets_a_table_of_its_own(tiny, tmp_path):
+    model, text = tiny
+    common = ["eval", "--model", model, "--text-file", text, *TINY, "--task", "perplexity", "--out", str(tmp_path)]
+    assert cli(*common, "--policy", "full", "--policy", "window:window=16") == 0
+    assert cli(*common, "--policy", "full", "--tokens", "200") == 0
+    records = read_records(tmp_path / RESULTS)
+    ppl = {(r["policy"], r["tokens"]): r["ppl"] for r in records}
+    first, second = (tmp_path / "summary.md").read_text().split("## Setting 2 of 2")
+    assert "tokens=48" in first and "tokens=200" not in first and "tokens=200" in second and "window" not in second
+    ratio = ppl["window:window=16", 48] / ppl["full", 48]
+    assert f"| window:window=16 | 16 | {ppl['window:window=16', 48]:.3f} ({ratio:.2f}x) |" in first
+    assert f"| full | {ppl['full', 200]:.3f} (1.00x) |" in second
+    assert (tmp_path / "perplexity.png").exists() and (tmp_path / "perplexity-2.png").exists()
+
+
 def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
     model, _ = tiny
     rows = [{"context": embedded_text()[i * 400 : i * 400 + 380], "input": f"What is item {i}?", "answers": [f"item {i}", "x"]} for i in range(3)]
