@@ -111,18 +111,24 @@ def append_record(path: Path, record: dict) -> None:
 
 def environment() -> dict:
     """Library versions, the git revision and the CPU threads: what a figure was measured with."""
-    versions = {"python": platform.python_version()}
-    for package in ("hf-kvpolicies", "torch", "transformers", "accelerate", "datasets"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
     return {
-        "versions": versions,
+        "versions": dict(_versions()),
         "git_revision": git_revision(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
     }
+
+
+@lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str | None], ...]:
+    """Python's and the libraries' versions (read once: reading package metadata takes a while)."""
+    versions = [("python", platform.python_version())]
+    for package in ("hf-kvpolicies", "torch", "transformers", "accelerate", "datasets"):
+        try:
+            versions.append((package, metadata.version(package)))
+        except metadata.PackageNotFoundError:
+            versions.append((package, None))
+    return tuple(versions)
 
 
 @lru_cache(maxsize=1)

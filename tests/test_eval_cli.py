@@ -14,6 +14,7 @@ import torch
 from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import eval.settings as settings_module
 import eval.sweep as sweep_module
 from eval.cli import main
 from eval.data import embedded_text, tokenize
@@ -139,7 +140,7 @@ def test_chunked_h2o_is_labelled_approximate_everywhere(tiny, tmp_path):
         (["--tokens", "0"], "--tokens: must be an integer >= 2, got 0"),
         (["--tokens", "many"], "--tokens: must be an integer"),
         (["--text-file", "/no/such/file.txt"], "does not exist"),
-        (["--task", "nosuch"], "unknown recall task 'nosuch'"),
+        (["--task", "nosuch"], "unknown task 'nosuch'"),
         (["--task", "niah_single:keys=3"], "valid options are value"),
         (["--task", "passkey", "--lengths", "20"], "use at least"),
         (["--depths", "2"], "in [0, 1]"),
@@ -238,21 +239,21 @@ def test_two_commands_on_one_out_run_each_run_once(tiny, tmp_path):
 
 
 def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
-    monkeypatch.setattr(sweep_module, "available_policies", lambda: ["full", "window"])
+    monkeypatch.setattr(settings_module, "available_policies", lambda: ["full", "window"])
     notes = []
-    assert sweep_module.default_policies(notes.append) == ["full", "window"]
+    assert settings_module.default_policies(notes.append) == ["full", "window"]
     assert len(notes) == 3 and all(note.startswith("note: skipping default policy") for note in notes)
-    assert set(sweep_module.default_policies(lambda note: None)) <= set(sweep_module.DEFAULT_POLICIES)
+    assert set(settings_module.default_policies(lambda note: None)) <= set(settings_module.DEFAULT_POLICIES)
 
 
 def test_every_default_policy_is_registered_and_builds_at_every_default_budget(tiny):
     """The defaults of the README's command, against what the library registers today."""
     from eval.budgets import expand
 
-    assert sweep_module.default_policies(pytest.fail) == list(sweep_module.DEFAULT_POLICIES)
+    assert settings_module.default_policies(pytest.fail) == list(settings_module.DEFAULT_POLICIES)
     model = AutoModelForCausalLM.from_pretrained(tiny[0])
-    runs = expand(list(sweep_module.DEFAULT_POLICIES), sweep_module.DEFAULT_BUDGETS)
-    assert len(runs) == 2 + 3 * len(sweep_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
+    runs = expand(list(settings_module.DEFAULT_POLICIES), settings_module.DEFAULT_BUDGETS)
+    assert len(runs) == 2 + 3 * len(settings_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
     for run in runs:
         assert sweep_module._build(model, run.spec(512)).get_seq_length() == 0
 
@@ -345,6 +346,22 @@ def test_a_second_sweep_with_other_tokens_gets_a_table_of_its_own(tiny, tmp_path
     assert f"| window:window=16 | 16 | {ppl['window:window=16', 48]:.3f} ({ratio:.2f}x) |" in first
     assert f"| full | {ppl['full', 200]:.3f} (1.00x) |" in second
     assert (tmp_path / "perplexity.png").exists() and (tmp_path / "perplexity-2.png").exists()
+
+
+def test_last_token_kept_is_a_protocol_of_eval(tiny, tmp_path):
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16", *TINY,
+            "--task", "passkey", "--protocol", "last-token-kept", "--protocol", "prefill", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    records = read_records(tmp_path / RESULTS)
+    assert sorted((r["policy"], r["protocol"], r["protocol_ran"], tuple(r["protocols"])) for r in records) == [
+        ("full", "any", "prefill", ("last-token-kept", "prefill")),
+        ("window:window=16", "last-token-kept", "last-token-kept", ("last-token-kept",)),
+        ("window:window=16", "prefill", "prefill", ("prefill",)),
+    ]
+    kept = next(r for r in records if r["protocol"] == "last-token-kept")
+    assert kept["kept_tokens"] == 16 and kept["kept_fraction"] == 16 / 419  # all but the last of the 420 prompt tokens fed
+    assert "| recall prefill | recall last-token-kept |" in (tmp_path / "summary.md").read_text()
 
 
 def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):

@@ -10,27 +10,33 @@ import json
 
 import pytest
 
-import eval.report as report_module
+import eval.report.write as report_writer
 import eval.sweep as sweep_module
 from eval.records import RESULTS, append_record, identity, read_records
+from eval.tasks import Bench
+from eval.tasks.perplexity import Perplexity
 
 POLICIES = ["full", "window:window=8"]
 
 
-def made_up(settings, model, tokenizer, ids, case_of, samples, unit):
-    """What :func:`eval.sweep._measure` yields, without a model: a perplexity record per job."""
-    for job in unit:
+def made_up(task, bench, unit, jobs):
+    """What the perplexity task yields, without a forward: a made-up figure per job."""
+    for job in jobs:
         ppl = 10.0 + job.index
-        yield job, {"ppl": ppl, "tokens": settings.tokens, "curve_positions": [24, 47], "curve_ppl": [ppl, ppl],
+        yield job, {"ppl": ppl, "tokens": bench.settings.tokens, "curve_positions": [24, 47], "curve_ppl": [ppl, ppl],
                     "approximate": False, "elapsed_s": 0.0}
 
 
 @pytest.fixture
 def offline(monkeypatch):
-    """The sweep with made-up measurements and no model or text to load; the plots left out."""
-    monkeypatch.setattr(sweep_module, "_prepare", lambda settings, jobs, device, dtype: sweep_module.Bench(None, None, None, [], None, {}))
-    monkeypatch.setattr(sweep_module, "_measure", made_up)
-    monkeypatch.setattr(report_module, "plots", lambda table, out: [])
+    """The sweep with made-up perplexities and no text to load (a tiny model only builds the
+    caches); the plots left out."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    monkeypatch.setattr(sweep_module, "_prepare", lambda settings, jobs, device, dtype: Bench(settings, model, None, None, "", []))
+    monkeypatch.setattr(Perplexity, "run", made_up)
+    monkeypatch.setattr(report_writer, "plots", lambda table, out: [])
 
 
 def resume(out, warnings: list[str]) -> sweep_module.Sweep:
@@ -61,7 +67,7 @@ def test_a_resume_after_a_cut_at_any_byte_of_the_last_record_keeps_every_record(
         again = read_records(out / RESULTS, warnings.append)
         assert [identity(r) for r in again] == [identity(r) for r in records], offset
         assert [r["ppl"] for r in again] == [10.0, 11.0], offset
-        assert "| window:window=8 | 11.000 (1.10x) |" in (out / "summary.md").read_text(), offset
+        assert "| window:window=8 | 8 | 11.000 (1.10x) |" in (out / "summary.md").read_text(), offset
         assert len(sweep.ran) == (0 if offset == len(last) else 1), offset
         cut = 0 < offset < len(last)  # twice: the sweep's reading for its report, and this one
         assert len(warnings) == 2 * cut and all(f"{RESULTS}, line 2: " in w for w in warnings), (offset, warnings)
@@ -144,12 +150,12 @@ def test_a_process_passes_by_a_unit_another_process_holds_and_the_last_one_repor
     window done, and, finishing last, writes the report. Every run once, no claim left behind."""
     nested: list[sweep_module.Sweep] = []
 
-    def measure(settings, model, tokenizer, ids, case_of, samples, unit):
-        if unit[0].run.policy == "full" and not nested:
+    def measure(task, bench, unit, jobs):
+        if unit.run.policy == "full" and not nested:
             nested.append(resume(tmp_path / "out", []))  # the second process, started meanwhile
-        yield from made_up(settings, model, tokenizer, ids, case_of, samples, unit)
+        yield from made_up(task, bench, unit, jobs)
 
-    monkeypatch.setattr(sweep_module, "_measure", measure)
+    monkeypatch.setattr(Perplexity, "run", measure)
     first = resume(tmp_path / "out", [])
     [second] = nested
     assert [job.run.policy for job in second.ran] == ["window:window=8"] and not second.complete
