@@ -381,6 +381,21 @@ def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
         assert record["dataset"].startswith("file:") and len(record["cells"]) == 3
         assert record["f1"] == sum(c["f1"] for c in record["cells"]) / 3 and 0 <= record["exact_match"] <= record["f1"] + 1e-9
     assert "QA F1 context" in (out / "summary.md").read_text()
+    assert not any(record["approximate"] for record in records)
+
+
+def test_chunked_qa_of_a_policy_that_chunks_change_is_labelled_approximate(tiny, tmp_path):
+    model, _ = tiny
+    rows = [{"context": embedded_text()[:380], "input": "What is item 0?", "answers": ["item 0"]}]
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n", encoding="utf-8")
+    args = ["eval", "--model", model, "--dataset", str(data), "--policy", "h2o:heavy=4,recent=4", "--task", "qa", "--protocol", "streamed",
+            "--qa-max-tokens", "300", "--budgets", "--no-progress"]
+    assert cli(*args, "--chunk-size", "8", "--out", str(tmp_path / "chunked")) == 0
+    assert cli(*args, "--out", str(tmp_path / "exact")) == 0
+    [chunked], [exact] = read_records(tmp_path / "chunked" / RESULTS), read_records(tmp_path / "exact" / RESULTS)
+    assert chunked["approximate"] is True and exact["approximate"] is False
+    assert '"h2o:heavy=4,recent=4",qa' in (tmp_path / "chunked" / "summary.csv").read_text()
 
 
 def test_cuda_is_refused_cleanly_without_a_gpu():

@@ -41,12 +41,13 @@ class QA(Task):
             start = time.perf_counter()
             protocol = protocol_fields(job, settings)
             ran = protocol_named(protocol["protocol_ran"])
-            cells, states = [], []
+            cells, states, approximate = [], [], False
             for index, sample in enumerate(bench.samples):
                 case = make_qa_case(bench.tokenizer, sample, index, settings.qa_max_tokens)
                 context, question = split([case], ran.name)
                 spec = job.run.spec(context.shape[1] + question.shape[1])  # a ratio is of this prompt
-                chunk = resolve_chunk(from_spec(model, spec), model, settings.chunk_size)[0] if ran.chunked else 1
+                chunk, inexact = resolve_chunk(from_spec(model, spec), model, settings.chunk_size) if ran.chunked else (1, False)
+                approximate |= inexact
                 [out] = ran.answer(model, bench.tokenizer, context, [question], lambda: from_spec(model, spec), case.answer_tokens, chunk)
                 states.append(out)
                 text = out.texts[0]
@@ -55,7 +56,7 @@ class QA(Task):
             yield job, {
                 **protocol, **state_fields(states), "cells": cells,
                 "exact_match": sum(c["exact_match"] for c in cells) / len(cells), "f1": sum(c["f1"] for c in cells) / len(cells),
-                "score": sum(c["f1"] for c in cells) / len(cells), "approximate": False, "elapsed_s": time.perf_counter() - start,
+                "score": sum(c["f1"] for c in cells) / len(cells), "approximate": approximate, "elapsed_s": time.perf_counter() - start,
             }
 
     def headline(self, record):
