@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from .. import fields as f
 from ..memory import decode_peak
-from .base import Column, Curves, Panel, Row, Task
+from .base import Column, Curves, Panel, Row
 from .cells import MIB, figure, records_of
-from .stream_pass import STREAM, stream_pass
+from .stream_pass import StreamTask, stream_pass
 
 DECODE_STEPS = 8
 """Decode steps at the end of the stream over which the peak memory is measured."""
 
 
-class Memory(Task):
+class Memory(StreamTask):
     name = "memory"
     summary = "memory: KV bytes held and allocated along the stream, peak while decoding at its end"
     fields = {
@@ -21,18 +21,6 @@ class Memory(Task):
         "footprint_positions": f.nonempty(f.number), "footprint_trace": f.items(f.number), "held_trace": f.items(f.optional(f.number)),
     }
     paired = ("footprint_positions", "footprint_trace", "held_trace")
-
-    def params(self, settings, job):
-        return {"tokens": settings.tokens, "chunk_size": settings.chunk_size or "auto"}
-
-    def unit(self, job):
-        return STREAM
-
-    def context(self, settings, job):
-        return settings.tokens
-
-    def stream_tokens(self, settings):
-        return settings.tokens
 
     def run(self, bench, unit, jobs):
         done = stream_pass(bench, unit)

@@ -4,28 +4,16 @@ from __future__ import annotations
 
 from .. import fields as f
 from ..perplexity import curve, perplexity
-from .base import Column, Curves, Measure, Panel, Row, Task
+from .base import Column, Curves, Measure, Panel, Row
 from .cells import baseline, figure, records_of
-from .stream_pass import STREAM, stream_pass
+from .stream_pass import StreamTask, stream_pass
 
 
-class Perplexity(Task):
+class Perplexity(StreamTask):
     name = "perplexity"
     summary = "perplexity: streaming perplexity over --tokens tokens (one pass shared with memory)"
     fields = {"ppl": f.positive, "tokens": f.count, "curve_positions": f.nonempty(f.number), "curve_ppl": f.nonempty(f.positive)}
     paired = ("curve_positions", "curve_ppl")
-
-    def params(self, settings, job):
-        return {"tokens": settings.tokens, "chunk_size": settings.chunk_size or "auto"}
-
-    def unit(self, job):
-        return STREAM
-
-    def context(self, settings, job):
-        return settings.tokens
-
-    def stream_tokens(self, settings):
-        return settings.tokens
 
     def run(self, bench, unit, jobs):
         done = stream_pass(bench, unit)

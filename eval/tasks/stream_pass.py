@@ -1,5 +1,6 @@
 """One pass of the stream through a policy's cache, shared by the perplexity and memory tasks of
-a unit: the memory figures are those of the stream the perplexity was measured on."""
+a unit (both :class:`StreamTask`): the memory figures are those of the stream the perplexity was
+measured on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hf_kvpolicies.cache import PolicyCache
 from ..memory import MemoryTrace, memory_in_use, model_devices
 from ..perplexity import streaming_nll
 from ..stream import resolve_chunk
-from .base import Bench, Unit
+from .base import Bench, Task, Unit
 
 STREAM = "stream"
 """The unit both tasks name (:meth:`Task.unit`), so that one process runs them together."""
@@ -32,6 +33,23 @@ class StreamPass:
     """Memory in use before the cache existed (the base of the decode peak)."""
     figures: dict
     """What both tasks' records say: tokens, chunking, elapsed seconds, what the cache kept."""
+
+
+class StreamTask(Task):
+    """A task measured on the pass over the first ``--tokens`` tokens: its params, unit, context
+    and stream are those of every such task, so that one process makes one pass for all."""
+
+    def params(self, settings, job):
+        return {"tokens": settings.tokens, "chunk_size": settings.chunk_size or "auto"}
+
+    def unit(self, job):
+        return STREAM
+
+    def context(self, settings, job):
+        return settings.tokens
+
+    def stream_tokens(self, settings):
+        return settings.tokens
 
 
 def stream_pass(bench: Bench, unit: Unit) -> StreamPass:
