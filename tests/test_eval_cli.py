@@ -83,6 +83,18 @@ def test_sweep_writes_a_record_per_policy_and_task(sweep, tiny):
         assert (out / name).stat().st_size > 0
 
 
+def test_chunked_and_token_by_token_traces_sample_the_same_positions(tiny, tmp_path):
+    """Full chunks its stream (exact), H2O goes token by token: both traces start at token 1 and
+    sample every stride, so the memory plot sets them side by side from the first token."""
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "h2o:heavy=4,recent=4", *TINY,
+            "--tokens", "200", "--task", "memory", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    full, h2o = sorted(read_records(tmp_path / RESULTS), key=lambda r: r["policy"])
+    assert full["chunk_size"] == 256 and h2o["chunk_size"] == 1
+    assert full["footprint_positions"] == h2o["footprint_positions"] == [*range(1, 199, 3), 199]
+
+
 def test_report_rerenders_identical_tables(sweep):
     out, _ = sweep
     tables = {name: (out / name).read_text() for name in ("summary.md", "summary.csv", "summary.tex", "recall.md", "recall.csv")}

@@ -66,9 +66,12 @@ def _measure(bench: Bench, unit: Unit) -> StreamPass:
     chunk, approximate = resolve_chunk(cache, model, settings.chunk_size)
     stream = bench.ids[:, : settings.tokens]
     before = memory_in_use(model_devices(model))
-    trace = MemoryTrace(cache, stride=max(1, settings.tokens // SAMPLES))
-    nll = streaming_nll(model, stream, cache, progress=settings.progress, desc=unit.desc, chunk_size=chunk, observer=trace.observe)
-    trace.finish(stream.shape[1] - 1)
+    stride, fed = max(1, settings.tokens // SAMPLES), stream.shape[1] - 1
+    trace = MemoryTrace(cache, stride)
+    # a forward ends at every point the trace samples: chunked or not, it starts at token 1 and keeps its stride
+    stops = range(1, fed, stride)
+    nll = streaming_nll(model, stream, cache, progress=settings.progress, desc=unit.desc, chunk_size=chunk, observer=trace.observe, stops=stops)
+    trace.finish(fed)
     kept = cache.stored_tokens() if isinstance(cache, PolicyCache) else None
     figures = {
         "tokens": stream.shape[1], "chunk_size": chunk, "approximate": approximate, "elapsed_s": time.perf_counter() - start,
