@@ -14,11 +14,11 @@ from pathlib import Path
 from .data import DATASETS, EMBEDDED_TEXT, DataError, check_dataset
 from .protocols import DEFAULT_PROTOCOLS, PROTOCOLS
 from .qa import is_qa_dataset
-from .recall import TASKS as RECALL_TASKS
-from .recall import parse_task
-from .records import RESULTS, read_records
+from .records import RESULTS
+from .settings import DEFAULT_POLICIES, DEFAULT_TASKS, Settings, UsageError
 from .stream import DEFAULT_CHUNK
-from .sweep import DEFAULT_POLICIES, DEFAULT_TASKS, DTYPES, MEASURES, Settings, UsageError
+from .sweep import DTYPES
+from .tasks import TASKS, check_task_name
 
 PROG = "hf-kvpolicies"
 EVAL_EXAMPLES = f"""\
@@ -97,13 +97,10 @@ def _ratio(text: str) -> float:
 
 
 def _task(text: str) -> str:
-    if text in MEASURES or text == "qa":
-        return text
     try:
-        parse_task(text)
+        return check_task_name(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{error}; or one of {', '.join(MEASURES)}, qa") from None
-    return text
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _check_loading_options(args: argparse.Namespace) -> None:
@@ -145,7 +142,7 @@ def build_parser() -> Parser:
     source.add_argument("--dataset", type=_dataset, default=EMBEDDED_TEXT, help=f"text to evaluate on: {', '.join(DATASETS)} (default: {EMBEDDED_TEXT}, CPython's pydoc topics, offline; the others load from the Hub through datasets), or a QA dataset for --task qa: longbench:SUBSET (THUDM/LongBench) or a JSONL file of {{context, input, answers}} rows, whose contexts are then the text; e.g. --dataset wikitext2, --dataset longbench:qasper")
     source.add_argument("--text-file", help="a local UTF-8 text file instead of --dataset (works offline), e.g. --text-file book.txt")
     run.add_argument("--policy", action="append", metavar="SPEC", help=f"policy spec, repeatable (default: {' '.join(DEFAULT_POLICIES)}); e.g. --policy full --policy window:window=512")
-    run.add_argument("--task", action="append", type=_task, metavar="TASK", help=f"measurement, repeatable: {', '.join(MEASURES)}; a recall task ({', '.join(RECALL_TASKS)}; options as TASK:key=value, e.g. niah_single:value=uuid); qa (needs a QA --dataset). Default: {' '.join(DEFAULT_TASKS)}, plus qa on a QA dataset")
+    run.add_argument("--task", action="append", type=_task, metavar="TASK", help=f"measurement, repeatable: {'; '.join(task.summary for task in TASKS)}. Default: {' '.join(DEFAULT_TASKS)}, plus qa on a QA dataset")
     run.add_argument("--tokens", type=_integer(2), default=defaults.tokens, help="tokens of the perplexity and memory stream (default: %(default)s); e.g. --tokens 4000")
     run.add_argument("--chunk-size", type=_integer(1), help=f"tokens per forward in the stream and streamed prompts; exact (same result as 1) for full, window and sink positions=absolute, approximate and labelled so for the others (default: {DEFAULT_CHUNK} where exact, 1 elsewhere); e.g. --chunk-size 512")
     run.add_argument("--contexts", type=_integer(1), nargs="+", default=list(defaults.contexts), metavar="N", help="context lengths of the speed task (default: %(default)s); e.g. --contexts 1024 4096")
@@ -153,7 +150,7 @@ def build_parser() -> Parser:
     run.add_argument("--lengths", type=_integer(1), nargs="+", default=list(defaults.lengths), metavar="N", help="recall prompt lengths in tokens, context and question (default: %(default)s); e.g. --lengths 1024 2048 4096")
     run.add_argument("--depths", type=_fraction, nargs="+", default=list(defaults.depths), metavar="D", help="depths of the needles in the haystack, 0 = start, 1 = end (default: %(default)s); e.g. --depths 0 0.25 0.5 0.75 1")
     run.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds), metavar="S", help="seeds of the recall cases: each seed is an independent sample; tables give mean +- 95%% bootstrap intervals over the cells (default: %(default)s); e.g. --seeds 0 1 2")
-    run.add_argument("--protocol", action="append", choices=PROTOCOLS, help=f"how the prompt meets the cache, repeatable: streamed (token by token or exact chunks), prefill (one forward, then trim), context (context prefilled and trimmed, question outside the budget, as kvpress) (default: {' '.join(DEFAULT_PROTOCOLS)}); e.g. --protocol context")
+    run.add_argument("--protocol", action="append", choices=list(PROTOCOLS), help=f"how the prompt meets the cache, repeatable: {'; '.join(protocol.summary for protocol in PROTOCOLS.values())} (default: {' '.join(DEFAULT_PROTOCOLS)}); e.g. --protocol context")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--budgets", type=_integer(1), nargs="*", default=list(defaults.budgets), metavar="B", help="total kept tokens per layer at which each bounded policy without explicit budget parameters runs (each class maps a budget onto its parameters; a spec with them keeps them); none: no sweep (default: %(default)s); e.g. --budgets 64 128 256 512")
     budget.add_argument("--ratios", type=_ratio, nargs="+", metavar="R", help="fractions of the context kept, instead of --budgets; e.g. --ratios 0.5 0.25 0.125")
@@ -166,6 +163,8 @@ def build_parser() -> Parser:
     run.add_argument("--threads", type=_integer(1), help="CPU threads for torch (default: torch's choice, one per core); on a busy shared machine 1 avoids OpenMP's spin-waiting, e.g. --threads 1")
     run.add_argument("--out", type=Path, default=defaults.out, help="output folder (default: %(default)s); e.g. --out results-gpu")
     run.add_argument("--no-progress", action="store_true", help="no progress bars, for logs and CI; e.g. --no-progress")
+    for task in TASKS:
+        task.add_arguments(run)
     report = commands.add_parser(
         "report",
         help="re-render tables and plots from DIR/results.jsonl",
@@ -179,16 +178,20 @@ def build_parser() -> Parser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The sweep's settings from the options of the same names (lists become tuples; an option
-    left out keeps the default)."""
-    named = {field.name: getattr(args, field.name) for field in fields(Settings) if field.name != "progress"}
+    left out keeps the default); the options tasks added go to ``options``."""
+    names = {field.name for field in fields(Settings)} - {"progress", "options"}
+    named = {name: getattr(args, name) for name in names}
     values = {name: tuple(dict.fromkeys(value)) if isinstance(value, list) else value for name, value in named.items() if value is not None}
     if args.ratios:
         values["budgets"] = ()
-    return Settings(**values, progress=not args.no_progress)
+    own = names | {"command", "policy", "task", "threads", "no_progress"}
+    options = {name: value for name, value in vars(args).items() if name not in own}
+    return Settings(**values, progress=not args.no_progress, options=options)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .sweep import check_policies, default_policies, run_sweep
+    from .settings import default_policies
+    from .sweep import check_policies, run_sweep
 
     def note(message: str) -> None:
         print(message, file=sys.stderr)
@@ -202,7 +205,7 @@ def _eval(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    sweep = run_sweep(_settings(args), policies, tasks)
+    sweep = run_sweep(_settings(args), policies, tasks, _warning("eval"))
     if sweep.complete:
         print(sweep.table, end="")
         print(f"\nresults, tables and plots in {args.out}/ ({RESULTS}, summary.md/.csv/.tex, *.png)")
@@ -212,13 +215,18 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .report import read_results, write_report
 
-    records = read_records(args.dir / RESULTS)
+    records = read_results(args.dir, _warning("report"))
     if not records:
         raise UsageError(f"no records in {args.dir / RESULTS}: run `{PROG} eval --out {args.dir}` first")
     print(write_report(args.dir, records), end="")
     return 0
+
+
+def _warning(command: str) -> Callable[[str], None]:
+    """One line on standard error per problem that does not stop the command."""
+    return lambda message: print(f"{PROG} {command}: warning: {message}", file=sys.stderr)
 
 
 def _quiet_libraries() -> None:

@@ -4,7 +4,7 @@ keep the NLL of every next token; the overall PPL and the curve by position."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -23,17 +23,19 @@ def streaming_nll(
     desc: str = "ppl",
     chunk_size: int = 1,
     observer: Callable[[int], None] | None = None,
+    stops: Iterable[int] = (),
 ) -> torch.Tensor:
     """Negative log-likelihood of every next token (``[n - 1]`` float64 on the CPU).
 
     ``chunk_size`` tokens go through each forward (see :mod:`eval.stream` for when that equals
-    one at a time); ``observer(tokens_fed)`` runs after each forward (memory sampling). The NLL
-    stays on the model's device until the end: no host sync per token.
+    one at a time), a forward also ending at each of ``stops``; ``observer(tokens_fed)`` runs
+    after each forward (memory sampling). The NLL stays on the model's device until the end: no
+    host sync per token.
     """
     targets = ids[0, 1:].to(model.device)
     nll = torch.empty(targets.numel(), dtype=torch.float32, device=model.device)
     with tqdm(total=targets.numel(), disable=not progress, desc=desc, leave=False, unit="tok") as bar:
-        for start, end, logits in feed(model, ids[:, :-1], cache, chunk_size):
+        for start, end, logits in feed(model, ids[:, :-1], cache, chunk_size, stops=stops):
             logits = logits[0].float()
             target = targets[start:end]
             nll[start:end] = torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]

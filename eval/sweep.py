@@ -1,108 +1,42 @@
 """A sweep: every policy x task on the same tokens, one record each, resumable, splittable.
 
-The sweep's runs are listed in a fixed order; those already in ``results.jsonl`` are dropped;
-the rest are dealt round-robin to the processes of an ``accelerate launch`` (one process: all
-of them). A policy's perplexity and memory always go to the same process and share one pass
+The sweep plans and runs; what a task measures and how its records read back is the task's own
+(:mod:`eval.tasks`). Its jobs are listed in a fixed order; those already in ``results.jsonl`` are
+dropped; each process sharing the ``--out`` (those of an ``accelerate launch``, or commands
+started side by side) claims the rest unit by unit (:mod:`eval.claims`), so that every run is
+done once. A policy's perplexity and memory always go to the same process and share one pass
 over the stream: the memory figures are those of the stream the perplexity was measured on.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_kvpolicies import available_policies, from_spec, parse_spec
+from hf_kvpolicies import from_spec, parse_spec
 from hf_kvpolicies.cache import PolicyCache
-from hf_kvpolicies.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model
+from hf_kvpolicies.models import EMBEDDED_MODELS, load_model
 
 from .budgets import PolicyRun, expand
-from .data import EMBEDDED_TEXT, DataError, load_text, text_label, tokenize
-from .memory import MemoryTrace, decode_peak, memory_in_use, model_devices
-from .perplexity import curve, perplexity, streaming_nll
-from .records import RESULTS, append_record, environment, identity, locked, read_records
-from .report import write_report
-from .speed import speed_profile
-from .protocols import DEFAULT_PROTOCOLS, answer, check_protocol, protocol_independent
-from .qa import describe, exact_match, is_qa_dataset, load_samples, make_qa_case, token_f1
-from .recall import TASKS as RECALL_TASKS
-from .recall import make_case, parse_task, score_answer
-from .stream import DEFAULT_CHUNK, resolve_chunk
-
-MEASURES = ("perplexity", "memory", "speed")
-TASKS = (*MEASURES, *RECALL_TASKS, "qa")
-"""``--task`` names: the stream measures, the recall suite (options as ``TASK:key=value``), QA."""
-DEFAULT_TASKS = ("perplexity", "memory", "niah_single", "niah_multikey", "passkey")
-"""Recall tasks the embedded model answers with a full cache at 512 tokens (measured: niah_single
-0.67, niah_multikey 1.00 over depths 0.1/0.5/0.9); variable tracking scored 0.07 there, which
-would measure the model rather than the policies, so it is left to the frontier command. ``speed``
-(``--task speed``) is left out to keep the default run within 10 minutes on 2 CPU cores."""
-DEFAULT_POLICIES = ("full", "window", "sink:positions=absolute", "h2o", "fp8")
-"""Full, FP8 and one of each bounded family, swept over ``--budgets`` (each class maps a budget
-onto its parameters); bare specs, so the sweep gives them their budgets.
-
-The sinks keep absolute positions: within the model's trained context that is the StreamingLLM
-layout, and chunked feeding is exact for it (``positions=cache`` re-rotates, and streams token by token).
-"""
-DEFAULT_BUDGETS = (64, 128)
-
-
-DECODE_STEPS = 8
-"""Decode steps at the end of the stream over which the peak memory is measured."""
-BATCH = 16
-"""Most recall prompts fed together (rows of equal length share every forward)."""
-
-
-class UsageError(ValueError):
-    """Bad input: the CLI prints the message on one line and exits with status 2."""
-
-
-@dataclass
-class Settings:
-    """Everything a sweep needs besides its policies and tasks (the CLI's options)."""
-
-    model: str = DEFAULT_MODEL
-    gguf_file: str | None = None
-    dataset: str = EMBEDDED_TEXT
-    text_file: str | None = None
-    tokens: int = 512
-    chunk_size: int | None = None
-    contexts: tuple[int, ...] = (512, 2048)
-    steps: int = 16
-    lengths: tuple[int, ...] = (512,)
-    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    seeds: tuple[int, ...] = (0,)
-    protocol: tuple[str, ...] = DEFAULT_PROTOCOLS
-    budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    ratios: tuple[float, ...] = ()
-    qa_samples: int = 20
-    qa_max_tokens: int = 2048
-    device: str = "auto"
-    dtype: str = "auto"
-    device_map: str | None = None
-    attn_implementation: str | None = None
-    out: Path = Path("results")
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class Job:
-    run: PolicyRun
-    task: str
-    index: int
-    """The policy run's place in the sweep: tables keep that order whoever ran the job."""
-    length: int | None = None
-    """The prompt length of a recall job."""
-    protocol: str | None = None
-    """The protocol of a recall or QA job; ``"any"`` for a policy that does not depend on it."""
+from .claims import claimed, clear
+from .data import DataError, load_text, text_label, tokenize
+from .protocols import check_protocol, protocol_independent
+from .qa import describe, is_qa_dataset, load_samples
+from .records import RESULTS, Warn, append_record, environment, identity, locked, read_records
+from .report import record_problem, write_report
+from .settings import Settings, UsageError
+from .stream import DEFAULT_CHUNK
+from .tasks import Bench, Job, Task, Unit, task_for
+from .tasks.base import stands_for
 
 
 @dataclass
@@ -115,18 +49,6 @@ class Sweep:
     table: str = ""
 
 
-def default_policies(note: Callable[[str], None]) -> list[str]:
-    """The default set, less the policies that are not registered (one note each)."""
-    registered = set(available_policies())
-    chosen = []
-    for spec in DEFAULT_POLICIES:
-        if spec.partition(":")[0] in registered:
-            chosen.append(spec)
-        else:
-            note(f"note: skipping default policy {spec!r}: no policy {spec.partition(':')[0]!r} is registered")
-    return chosen
-
-
 def check_policies(specs: Sequence[str]) -> list[str]:
     """Each spec parsed (name, keys, value types) before anything is loaded."""
     for spec in specs:
@@ -137,6 +59,21 @@ def check_policies(specs: Sequence[str]) -> list[str]:
     if len(set(specs)) != len(specs):
         raise UsageError("a --policy is given twice: give each spec once")
     return list(specs)
+
+
+def check_out(out: Path) -> None:
+    """``--out`` made ready before any work: a folder this process can write (created if missing),
+    whose ``results.jsonl``, if there, is a file."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file, not a folder: pass a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--out {str(out)!r} cannot be created ({error.strerror}): pass a folder you can write to") from error
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {str(out)!r} is not writable: pass a folder you can write to")
+    if (out / RESULTS).exists() and not (out / RESULTS).is_file():
+        raise UsageError(f"--out {str(out)!r} holds a {RESULTS} that is not a file: pass another folder")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,82 +95,134 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# --- plan ------------------------------------------------------------------------------------
 def jobs_of(settings: Settings, runs: Sequence[PolicyRun], tasks: Sequence[str]) -> list[Job]:
-    """The sweep's jobs in a fixed order: each policy run x task, recall and QA tasks once per
-    protocol (once in all for a policy the protocol does not change) and recall once per length."""
+    """The sweep's jobs in a fixed order: each policy run x task x the task's places
+    (:meth:`Task.places`), a prompted task once per protocol (once in all for the protocols a
+    policy cannot change)."""
     jobs = []
     for index, run in enumerate(runs):
-        protocols = ("any",) if protocol_independent(run.spec(max(settings.lengths))) else settings.protocol
-        for task in tasks:
-            if task in MEASURES:
-                jobs.append(Job(run, task, index))
-            elif task == "qa":
-                jobs += [Job(run, task, index, protocol=protocol) for protocol in protocols]
-            else:
-                jobs += [Job(run, task, index, length, protocol) for length in settings.lengths for protocol in protocols]
+        protocols = _protocols(settings, run)
+        for name in tasks:
+            task = task_for(name)
+            for place in task.places(settings, name):
+                for protocol in protocols if task.prompted else (None,):
+                    where = tuple(place.items()) + ((("protocol", protocol),) if protocol is not None else ())
+                    jobs.append(Job(run, name, index, where))
     return jobs
 
 
+def _protocols(settings: Settings, run: PolicyRun) -> tuple[str, ...]:
+    """``--protocol`` for this run; ``"any"`` in place of those it cannot change (:func:`stands_for`)."""
+    if not protocol_independent(run.spec(max(settings.lengths))):
+        return settings.protocol
+    same = stands_for(settings)
+    return ("any",) * bool(same) + tuple(name for name in settings.protocol if name not in same)
+
+
 def task_params(job: Job, settings: Settings) -> dict:
-    """The settings a job's figures depend on (part of the run's identity)."""
-    chunk = settings.chunk_size or "auto"
-    sweep = {"budget": job.run.budget, "ratio": job.run.ratio}
-    if job.task in ("perplexity", "memory"):
-        return {"tokens": settings.tokens, "chunk_size": chunk, **sweep}
-    if job.task == "speed":
-        return {"contexts": list(settings.contexts), "steps": settings.steps, **sweep}
-    protocol = {"protocol": job.protocol, "protocols": list(settings.protocol)} if job.protocol == "any" else {"protocol": job.protocol}
-    if job.task == "qa":
-        return {"samples": settings.qa_samples, "max_tokens": settings.qa_max_tokens, **protocol, **sweep}
-    return {
-        "length": job.length,
-        "depths": list(settings.depths),
-        "seeds": list(settings.seeds),
-        "chunk_size": chunk,
-        **protocol,
-        **sweep,
-    }
+    """The settings a job's figures depend on (part of the run's identity): the task's own, the
+    budget or ratio, and the protocol."""
+    params = {**task_for(job.task).params(settings, job), "budget": job.run.budget, "ratio": job.run.ratio}
+    if job.protocol == "any":
+        params.update(protocol="any", protocols=stands_for(settings))
+    elif job.protocol is not None:
+        params.update(protocol=job.protocol)
+    return params
 
 
-def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str]) -> Sweep:
-    """Run the pending jobs of this process; write the report once every job has its record."""
+def _units(jobs: list[Job]) -> list[list[Job]]:
+    """The jobs in units that one process runs together (a policy run's jobs of equal
+    :meth:`Task.unit`: its perplexity and memory share a stream, its recall tasks at one length
+    and protocol share batches). Each process claims the units it runs (:func:`_run_claimed`)."""
+    units: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        units.setdefault((job.run, task_for(job.task).unit(job)), []).append(job)
+    return list(units.values())
+
+
+def _key(base: dict, job: Job, settings: Settings) -> dict:
+    return {**base, "policy": job.run.policy, "task": job.task, "params": task_params(job, settings)}
+
+
+def _context_of(job: Job, settings: Settings) -> int:
+    """The context a ratio is a fraction of (:meth:`Task.context`)."""
+    return task_for(job.task).context(settings, job)
+
+
+# --- run -------------------------------------------------------------------------------------
+def run_sweep(settings: Settings, policies: Sequence[str], tasks: Sequence[str], warn: Warn | None = None) -> Sweep:
+    """Run the pending jobs of this process; write the report once every job has its record
+    (``warn`` is told of each line of the results that the report skips)."""
     from accelerate import PartialState
 
+    check_out(settings.out)
+    for task in _tasks_of(tasks):
+        task.check(settings)
     device = resolve_device(settings.device)
     state = PartialState(cpu=device.type == "cpu")
     if device.type == "cuda" and state.num_processes > 1 and settings.device_map is None:
         device = state.device
     dtype = resolve_dtype(settings.dtype, device)
-    if is_qa_dataset(settings.dataset):
-        dataset = describe(settings.dataset)
-    else:
-        if "qa" in tasks:
-            raise UsageError("--task qa needs a QA --dataset: longbench:SUBSET or a JSONL file of {context, input, answers}")
-        dataset = text_label(settings.dataset, settings.text_file)
     base = {
         "model": settings.model,
         "gguf_file": settings.gguf_file,
-        "dataset": dataset,
+        "dataset": describe(settings.dataset) if is_qa_dataset(settings.dataset) else text_label(settings.dataset, settings.text_file),
         "device": device.type,
         "dtype": str(dtype).removeprefix("torch."),
     }
     jobs = jobs_of(settings, expand(list(policies), settings.budgets, settings.ratios), tasks)
     results = settings.out / RESULTS
-    done = {identity(record) for record in read_records(results)}
+    done = _done(results)
     pending = [job for job in jobs if identity(_key(base, job, settings)) not in done]
-    state.wait_for_everyone()  # every process has read the same file before any writes to it
     sweep = Sweep(jobs)
     units = _units(pending)
-    sweep.ran = [job for unit in units[state.process_index :: state.num_processes] for job in unit]
-    if sweep.ran:
-        _run_jobs(settings, sweep.ran, base, device, dtype, *_inputs(settings), results)
+    start = len(units) * state.process_index // state.num_processes  # processes start apart, then take what is free
+    try:
+        sweep.ran = _run_claimed(settings, units[start:] + units[:start], base, device, dtype, results)
+    finally:
+        clear(settings.out)
     with locked(results):
-        records = read_records(results)
+        records = read_records(results, warn, record_problem)
         have = {identity(record) for record in records}
         sweep.complete = all(identity(_key(base, job, settings)) in have for job in jobs)
         if sweep.complete:
             sweep.table = write_report(settings.out, records)
     return sweep
+
+
+def _tasks_of(names) -> list[Task]:
+    """The tasks of ``names`` (or of jobs' names), each once, in order."""
+    return list(dict.fromkeys(task_for(name) for name in names))
+
+
+def _done(results: Path) -> set[str]:
+    """The identities of the runs that have a usable record."""
+    return {identity(record) for record in read_records(results, check=record_problem)}
+
+
+def _run_claimed(settings: Settings, units: list[list[Job]], base: dict, device, dtype, results: Path) -> list[Job]:
+    """Run every unit that no other process holds or has finished (:mod:`eval.claims`), loading
+    the model at the first one; return the jobs run."""
+    ran: list[Job] = []
+    bench = bar = None
+    for unit in units:
+        with claimed(settings.out, json.dumps(sorted(identity(_key(base, job, settings)) for job in unit))) as mine:
+            if not mine:
+                continue
+            done = _done(results)  # another process may have finished it since this one read the results
+            todo = [job for job in unit if identity(_key(base, job, settings)) not in done]
+            if not todo:
+                continue
+            if bench is None:
+                bench = _prepare(settings, [job for unit in units for job in unit], device, dtype)
+                context = {**base, **environment()}
+                bar = tqdm(total=sum(map(len, units)), disable=not settings.progress, desc="runs", unit="run")
+            _run_unit(settings, bench, todo, context, results, bar)
+            ran += todo
+    if bar is not None:
+        bar.close()
+    return ran
 
 
 def _inputs(settings: Settings) -> tuple[str, list[dict]]:
@@ -244,63 +233,44 @@ def _inputs(settings: Settings) -> tuple[str, list[dict]]:
     return load_text(settings.dataset, settings.text_file)[0], []
 
 
-def _units(jobs: list[Job]) -> list[list[Job]]:
-    """The jobs in units that one process runs together: a policy run's perplexity and memory
-    share a stream, its recall tasks at one length and protocol share batches; speed and QA stand
-    alone. Units are dealt round-robin to the processes."""
-    units: dict[tuple, list[Job]] = {}
-    for job in jobs:
-        if job.task in ("perplexity", "memory"):
-            group = "stream"
-        elif job.length is not None:  # every recall task at one length: prompts of one length batch together
-            group = ("recall", job.length, job.protocol)
-        else:
-            group = (job.task, job.protocol)
-        units.setdefault((job.run, group), []).append(job)
-    return list(units.values())
-
-
-def _key(base: dict, job: Job, settings: Settings) -> dict:
-    return {**base, "policy": job.run.policy, "task": job.task, "params": task_params(job, settings)}
-
-
-def _context_of(job: Job, settings: Settings) -> int:
-    """The context a ratio is a fraction of: the stream, the longest speed context, the prompt."""
-    if job.task in ("perplexity", "memory"):
-        return settings.tokens
-    if job.task == "speed":
-        return max(settings.contexts)
-    return job.length or settings.qa_max_tokens
-
-
-def _run_jobs(settings, jobs, base, device, dtype, text, samples, results) -> None:
+def _prepare(settings: Settings, jobs: list[Job], device: torch.device, dtype: torch.dtype) -> Bench:
+    """Load the model and the inputs, and check every job (protocols, constructors, each task's
+    own checks) before the first long run."""
+    text, samples = _inputs(settings)
     model, tokenizer = _model(settings, device, dtype)
-    tasks = {job.task for job in jobs}
-    ids = _ids(settings, tokenizer, text, tasks)
+    tasks = _tasks_of(job.task for job in jobs)
+    try:
+        ids = tokenize(tokenizer, text, max(2, *(task.stream_tokens(settings) for task in tasks)))
+    except DataError as error:
+        raise UsageError(f"{error}: lower --tokens or --contexts, or use a longer text") from error
     for protocol in {job.protocol for job in jobs} - {None, "any"}:
         try:
             check_protocol(model, protocol)
         except ValueError as error:
             raise UsageError(f"--protocol {protocol}: {error}") from error
-    for job in jobs:  # every constructor check before the first long run
-        if job.task != "qa" or job.run.ratio is None:
-            _build(model, job.run.spec(_context_of(job, settings)))
-    recall = [job for job in jobs if job.length is not None]
-    haystack = _haystack(settings, tokenizer, text) if recall else None
-    for job in recall:
-        _check_case(settings, tokenizer, haystack, job)
-    case_of = lru_cache(maxsize=None)(lambda task, length, depth, seed: _case(tokenizer, haystack, task, length, depth, seed))
+    for spec in dict.fromkeys(job.run.spec(_context_of(job, settings)) for job in jobs):  # every constructor check first
+        _build(model, spec)
+    bench = Bench(settings, model, tokenizer, ids, text, samples)
+    for task in tasks:
+        task.prepare(bench, [job for job in jobs if task_for(job.task) is task])
     _warm_up(model, ids)
-    environment_fields = environment()
-    bar = tqdm(total=len(jobs), disable=not settings.progress, desc="runs", unit="run")
-    for unit in _units(jobs):
-        for job, record in _measure(settings, model, tokenizer, ids, case_of, samples, unit):
-            record.update(_key(base, job, settings), **_sweep_fields(job), policy_index=job.index, **environment_fields)
+    return bench
+
+
+def _run_unit(settings: Settings, bench: Bench, jobs: list[Job], context: dict, results: Path, bar: tqdm) -> None:
+    """Run the jobs of one unit, task by task, appending each record as it is made (``context``:
+    the setup and environment every record carries)."""
+    first = jobs[0]
+    spec = first.run.spec(_context_of(first, settings))
+    fields = _policy_fields(from_spec(bench.model, spec), spec, first.run.budget_for(_context_of(first, settings)))
+    unit = Unit(first.run, jobs, spec, fields, lambda: from_spec(bench.model, spec))
+    for task in _tasks_of(job.task for job in jobs):
+        for job, figures in task.run(bench, unit, [job for job in jobs if task_for(job.task) is task]):
+            record = {**fields, **figures, **_key(context, job, settings), **_sweep_fields(job), "policy_index": job.index}
             record["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             append_record(results, record)
-            tqdm.write(f"{_task_label(job):>22}  {job.run.label}: {_headline(record)}  ({record['elapsed_s']:.1f} s)", file=sys.stderr)
+            tqdm.write(f"{_job_label(job):>22}  {job.run.label}: {task.headline(record)}  ({record['elapsed_s']:.1f} s)", file=sys.stderr)
             bar.update()
-    bar.close()
 
 
 def _sweep_fields(job: Job) -> dict:
@@ -310,164 +280,25 @@ def _sweep_fields(job: Job) -> dict:
     return fields
 
 
-def _task_label(job: Job) -> str:
-    if job.length is not None:
-        return f"{job.task}@{job.length} {job.protocol}"
-    return job.task if job.protocol is None else f"{job.task} {job.protocol}"
+def _job_label(job: Job) -> str:
+    """``"niah_single@512 prefill"``: the task, its places and its protocol."""
+    places = "".join(f"@{value}" for name, value in job.where if name != "protocol")
+    return f"{job.task}{places}" + (f" {job.protocol}" if job.protocol is not None else "")
 
 
 def _policy_fields(cache, spec: str, swept: int | None) -> dict:
-    """What every record says about the cache it measured: the spec built, its budget (the one
-    swept, else the most tokens its first governed layer keeps, ``None`` when not known before
-    the first forward), whether its class is bounded, and the layers it governs."""
+    """What every record says about the cache it measured: the spec built and what it was built
+    as (the class and the keywords the spec resolved to, budget parameters included), its budget
+    (the one swept, else the most tokens its first governed layer keeps, ``None`` when not known
+    before the first forward), whether its class is bounded, and the layers it governs."""
     ours = isinstance(cache, PolicyCache)
     limit = cache.layers[cache.first_policy_layer].get_max_length() if ours else -1
     return {
         "spec": spec,
+        "built": {"class": type(cache).__name__, "parameters": parse_spec(spec)[1]},
         "budget": swept if swept is not None else (limit if limit >= 0 else None),
         "bounded": ours and type(cache).budget_parameters(1) is not None,
         "governed_layers": cache.governed_layers if ours else None,
-    }
-
-
-def _measure(settings, model, tokenizer, ids, case_of, samples, unit):
-    """Yield ``(job, record)`` for the jobs of one unit as each finishes."""
-    first = unit[0]
-    spec = first.run.spec(_context_of(first, settings))
-
-    def make():
-        return from_spec(model, spec)
-
-    desc = first.run.label if len(first.run.label) < 40 else first.run.label[:37] + "..."
-    fields = _policy_fields(make(), spec, first.run.budget_for(_context_of(first, settings)))
-    mine = {job.task: job for job in unit if job.length is None}
-    if "perplexity" in mine or "memory" in mine:
-        start = time.perf_counter()
-        cache = make()
-        chunk, approximate = resolve_chunk(cache, model, settings.chunk_size)
-        stream = ids[:, : settings.tokens]
-        before = memory_in_use(model_devices(model))
-        trace = MemoryTrace(cache, stride=max(1, settings.tokens // 64))
-        nll = streaming_nll(
-            model, stream, cache, progress=settings.progress, desc=desc, chunk_size=chunk, observer=trace.observe
-        )
-        trace.finish(stream.shape[1] - 1)
-        elapsed = time.perf_counter() - start
-        kept = cache.stored_tokens() if isinstance(cache, PolicyCache) else None
-        common = {
-            **fields, "tokens": stream.shape[1], "chunk_size": chunk, "approximate": approximate, "elapsed_s": elapsed,
-            "kept_tokens": kept, "kept_fraction": None if kept is None else kept / (stream.shape[1] - 1),
-            "held_bytes": trace.held[-1], "allocated_bytes": trace.bytes[-1],
-        }
-        if "perplexity" in mine:
-            positions, values = curve(nll)
-            yield mine["perplexity"], {**common, "ppl": perplexity(nll), "curve_positions": positions, "curve_ppl": values}
-        if "memory" in mine:
-            record = {
-                **common,
-                "footprint_bytes": trace.bytes[-1],
-                "footprint_max_bytes": max(trace.bytes),
-                "footprint_positions": trace.positions,
-                "footprint_trace": trace.bytes,
-                "held_trace": trace.held,
-            }
-            peak = decode_peak(model, cache, stream[:, -1:], DECODE_STEPS, since=before)
-            yield mine["memory"], {**record, "peak_memory_bytes": peak.growth, "peak_memory_source": peak.source, "decode_steps": DECODE_STEPS}
-    if "speed" in mine:
-        start = time.perf_counter()
-        figures = speed_profile(model, make, ids, settings.contexts, steps=settings.steps, progress=settings.progress, desc=desc)
-        yield mine["speed"], {**fields, **figures, "steps": settings.steps, "approximate": False, "elapsed_s": time.perf_counter() - start}
-    if first.task == "qa":
-        yield first, _qa(settings, model, tokenizer, samples, first, fields)
-    elif first.length is not None:
-        yield from _recall(settings, model, tokenizer, case_of, unit, make, fields)
-
-
-def _protocol_fields(job: Job, settings: Settings) -> dict:
-    ran = "prefill" if job.protocol == "any" else job.protocol
-    stands_for = list(settings.protocol) if job.protocol == "any" else [job.protocol]
-    return {"protocol_ran": ran, "protocols": stands_for, "protocol_independent": job.protocol == "any"}
-
-
-def _recall(settings, model, tokenizer, case_of, jobs, make, fields):
-    """Every (depth, seed) cell of the recall tasks of ``jobs`` (one length, one protocol); prompts
-    of equal lengths share forwards (at most :data:`BATCH` rows). Yields ``(job, record)`` per task.
-    ``case_of(task, length, depth, seed)`` gives the cases, generated once per process."""
-    start = time.perf_counter()
-    first = jobs[0]
-    protocol = _protocol_fields(first, settings)
-    ran = protocol["protocol_ran"]
-    cases = []
-    for job in jobs:
-        depths = settings.depths if parse_task(job.task)[0] != "cwe" else settings.depths[:1]  # a list of words has no depth
-        cases += [(job, case_of(job.task, job.length, depth, seed)) for depth in depths for seed in settings.seeds]
-    chunk, approximate = resolve_chunk(make(), model, settings.chunk_size) if ran == "streamed" else (1, False)
-    groups: dict[int, list] = {}
-    for job, case in cases:  # the context protocol splits prompts where the question starts
-        groups.setdefault(case.context_ids.shape[1] if ran == "context" else 0, []).append((job, case))
-    cells: dict[Job, list[dict]] = {job: [] for job in jobs}
-    states: dict[Job, list] = {job: [] for job in jobs}
-    for group in groups.values():
-        for at in range(0, len(group), BATCH):
-            batch = group[at : at + BATCH]
-            context, question = _split([case for _, case in batch], ran)
-            out = answer(model, tokenizer, context, question, make, ran, max(c.answer_tokens for _, c in batch), chunk)
-            for (job, case), text in zip(batch, out.texts):
-                states[job].append(out)
-                cells[job].append({
-                    "depth": None if case.task == "cwe" else case.depth, "seed": case.seed,
-                    "expected": list(case.expected), "answer": text, "score": score_answer(text, case.expected),
-                })
-    elapsed = (time.perf_counter() - start) / len(jobs)  # the batches are shared: each task its share
-    for job in jobs:
-        yield job, {
-            **fields, **protocol, **_state_fields(states[job]), "length": job.length, "cells": cells[job],
-            "score": sum(cell["score"] for cell in cells[job]) / len(cells[job]),
-            "chunk_size": chunk, "approximate": approximate, "elapsed_s": elapsed,
-        }
-
-
-def _split(cases, protocol: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(context, question)`` rows of a batch: split where the question starts under ``context``;
-    the whole prompt as the context otherwise (only the context protocol treats them apart)."""
-    if protocol == "context":
-        return torch.cat([c.context_ids for c in cases]), torch.cat([c.question_ids for c in cases])
-    prompts = torch.cat([torch.cat([c.context_ids, c.question_ids], dim=1) for c in cases])
-    return prompts, prompts[:, :0]
-
-
-def _state_fields(states) -> dict:
-    """The cache's state once the prompt was in, over the batches (mean kept fraction; bytes per sequence)."""
-    kept = [s.kept_tokens for s in states]
-    fractions = [s.kept_tokens / s.fed_tokens for s in states if s.kept_tokens is not None]
-    held = [s.held_bytes for s in states if s.held_bytes is not None]
-    return {
-        "kept_tokens": None if None in kept else max(kept),
-        "kept_fraction": sum(fractions) / len(fractions) if fractions else None,
-        "held_bytes": max(held) if held else None,
-        "allocated_bytes": max(s.allocated_bytes for s in states),
-    }
-
-
-def _qa(settings, model, tokenizer, samples, job, fields) -> dict:
-    """Every QA sample alone (lengths differ), scored by exact match and token F1."""
-    start = time.perf_counter()
-    protocol = _protocol_fields(job, settings)
-    cells, states = [], []
-    for index, sample in enumerate(samples):
-        case = make_qa_case(tokenizer, sample, index, settings.qa_max_tokens)
-        context, question = _split([case], protocol["protocol_ran"])
-        spec = job.run.spec(context.shape[1] + question.shape[1])
-        chunk = resolve_chunk(from_spec(model, spec), model, settings.chunk_size)[0] if protocol["protocol_ran"] == "streamed" else 1
-        out = answer(model, tokenizer, context, question, lambda: from_spec(model, spec), protocol["protocol_ran"], case.answer_tokens, chunk)
-        states.append(out)
-        text = out.texts[0]
-        cells.append({"index": index, "expected": list(case.expected), "answer": text,
-                      "exact_match": exact_match(text, case.expected), "f1": token_f1(text, case.expected)})
-    return {
-        **fields, **protocol, **_state_fields(states), "cells": cells,
-        "exact_match": sum(c["exact_match"] for c in cells) / len(cells), "f1": sum(c["f1"] for c in cells) / len(cells),
-        "score": sum(c["f1"] for c in cells) / len(cells), "approximate": False, "elapsed_s": time.perf_counter() - start,
     }
 
 
@@ -479,22 +310,6 @@ def _warm_up(model, ids: torch.Tensor) -> None:
     cache = DynamicCache(config=model.config)
     model(ids[:, :length].to(model.device), cache=cache)
     model(ids[:, length : length + 1].to(model.device), cache=cache)
-
-
-def _headline(record: dict) -> str:
-    task = record["task"]
-    mark = " (approximate)" if record.get("approximate") else ""
-    if task == "perplexity":
-        return f"ppl {record['ppl']:.3f} over {record['tokens']} tokens{mark}"
-    if task == "memory":
-        held = record["held_bytes"]
-        held_text = "" if held is None else f"holds {held / 2**20:.2f} MiB, "
-        return f"KV cache {held_text}allocated {record['footprint_bytes'] / 2**20:.2f} MiB, peak +{record['peak_memory_bytes'] / 2**20:.1f} MiB{mark}"
-    if task == "speed":
-        return ", ".join(f"{ms:.1f} ms/token @{c}" for c, ms in zip(record["contexts"], record["median_ms"]))
-    if task == "qa":
-        return f"exact match {record['exact_match']:.2f}, F1 {record['f1']:.2f}"
-    return f"score {record['score']:.2f}{mark}"
 
 
 def _model(settings: Settings, device: torch.device, dtype: torch.dtype):
@@ -510,38 +325,6 @@ def _model(settings: Settings, device: torch.device, dtype: torch.dtype):
             f"cannot load model {settings.model!r} ({first}): pass an embedded name "
             f"({', '.join(EMBEDDED_MODELS)}), a Hub id, or a local folder with config.json and a tokenizer"
         ) from error
-
-
-def _ids(settings: Settings, tokenizer, text: str, tasks: set[str]) -> torch.Tensor:
-    needed = 0
-    if tasks & {"perplexity", "memory"}:
-        needed = settings.tokens
-    if "speed" in tasks:
-        needed = max(needed, max(settings.contexts) + 1)  # the context and the first token decoded
-    try:
-        return tokenize(tokenizer, text, max(needed, 2))
-    except DataError as error:
-        raise UsageError(f"{error}: lower --tokens or --contexts, or use a longer text") from error
-
-
-def _haystack(settings: Settings, tokenizer, text: str) -> torch.Tensor:
-    """The recall suite's haystack: enough of the text for seeds to start at different places."""
-    try:
-        return tokenize(tokenizer, text, max(4 * max(settings.lengths), 20_000), start=False)
-    except DataError:
-        return tokenize(tokenizer, text, start=False)
-
-
-def _case(tokenizer, haystack, task: str, length: int, depth: float, seed: int):
-    name, options = parse_task(task)
-    return make_case(tokenizer, haystack, name, length, depth, seed, **options)
-
-
-def _check_case(settings: Settings, tokenizer, haystack, job: Job) -> None:
-    try:
-        _case(tokenizer, haystack, job.task, job.length, settings.depths[0], settings.seeds[0])
-    except ValueError as error:
-        raise UsageError(f"--task {job.task} at --lengths {job.length}: {error}") from error
 
 
 def _build(model, spec: str):

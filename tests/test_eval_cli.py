@@ -14,6 +14,7 @@ import torch
 from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import eval.settings as settings_module
 import eval.sweep as sweep_module
 from eval.cli import main
 from eval.data import embedded_text, tokenize
@@ -82,6 +83,18 @@ def test_sweep_writes_a_record_per_policy_and_task(sweep, tiny):
         assert (out / name).stat().st_size > 0
 
 
+def test_chunked_and_token_by_token_traces_sample_the_same_positions(tiny, tmp_path):
+    """Full chunks its stream (exact), H2O goes token by token: both traces start at token 1 and
+    sample every stride, so the memory plot sets them side by side from the first token."""
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "h2o:heavy=4,recent=4", *TINY,
+            "--tokens", "200", "--task", "memory", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    full, h2o = sorted(read_records(tmp_path / RESULTS), key=lambda r: r["policy"])
+    assert full["chunk_size"] == 256 and h2o["chunk_size"] == 1
+    assert full["footprint_positions"] == h2o["footprint_positions"] == [*range(1, 199, 3), 199]
+
+
 def test_report_rerenders_identical_tables(sweep):
     out, _ = sweep
     tables = {name: (out / name).read_text() for name in ("summary.md", "summary.csv", "summary.tex", "recall.md", "recall.csv")}
@@ -139,7 +152,7 @@ def test_chunked_h2o_is_labelled_approximate_everywhere(tiny, tmp_path):
         (["--tokens", "0"], "--tokens: must be an integer >= 2, got 0"),
         (["--tokens", "many"], "--tokens: must be an integer"),
         (["--text-file", "/no/such/file.txt"], "does not exist"),
-        (["--task", "nosuch"], "unknown recall task 'nosuch'"),
+        (["--task", "nosuch"], "unknown task 'nosuch'"),
         (["--task", "niah_single:keys=3"], "valid options are value"),
         (["--task", "passkey", "--lengths", "20"], "use at least"),
         (["--depths", "2"], "in [0, 1]"),
@@ -160,6 +173,19 @@ def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, args, message):
     assert code == 2
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / RESULTS).exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_an_out_that_cannot_be_a_folder_exits_2_before_any_work(tiny, tmp_path, capsys, monkeypatch, where):
+    model, text = tiny
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    out = blocker if where == "file" else blocker / "results"
+    monkeypatch.setattr(sweep_module, "load_model", lambda *_: pytest.fail("the model was loaded before --out was checked"))
+    code = cli("eval", "--model", model, "--text-file", text, "--policy", "full", "--task", "perplexity", *TINY, "--out", str(out))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"--out {str(out)!r}" in err and len(err.splitlines()) == 1, err
+    assert blocker.read_text() == "not a folder"
 
 
 def test_a_missing_model_and_an_empty_report_exit_2(tmp_path, capsys):
@@ -207,22 +233,39 @@ def test_two_processes_write_the_records_of_one(tiny, tmp_path):
     assert rows(tmp_path / "two") == rows(tmp_path / "one") == ["| policy", "| full", "| window:window=16", "| window:window=8"]
 
 
+def test_two_commands_on_one_out_run_each_run_once(tiny, tmp_path):
+    """Two ``eval`` commands started side by side on one ``--out`` split its 6 runs by claims (H2O
+    streams token by token: each run lasts long enough for the two to overlap)."""
+    model, text = tiny
+    policies = ("h2o:heavy=4,recent=4", "h2o:heavy=8,recent=8", "window:window=8")
+    args = ["-m", "eval.cli", "eval", "--model", model, "--text-file", text, *(f"--policy={p}" for p in policies), *TINY,
+            "--tokens", "300", "--task", "perplexity", "--task", "memory", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for process in both:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+    records = read_records(tmp_path / RESULTS)
+    assert sorted((r["policy"], r["task"]) for r in records) == sorted((p, t) for p in policies for t in ("perplexity", "memory"))
+    assert (tmp_path / "summary.md").exists() and sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
+
+
 def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
-    monkeypatch.setattr(sweep_module, "available_policies", lambda: ["full", "window"])
+    monkeypatch.setattr(settings_module, "available_policies", lambda: ["full", "window"])
     notes = []
-    assert sweep_module.default_policies(notes.append) == ["full", "window"]
+    assert settings_module.default_policies(notes.append) == ["full", "window"]
     assert len(notes) == 3 and all(note.startswith("note: skipping default policy") for note in notes)
-    assert set(sweep_module.default_policies(lambda note: None)) <= set(sweep_module.DEFAULT_POLICIES)
+    assert set(settings_module.default_policies(lambda note: None)) <= set(settings_module.DEFAULT_POLICIES)
 
 
 def test_every_default_policy_is_registered_and_builds_at_every_default_budget(tiny):
     """The defaults of the README's command, against what the library registers today."""
     from eval.budgets import expand
 
-    assert sweep_module.default_policies(pytest.fail) == list(sweep_module.DEFAULT_POLICIES)
+    assert settings_module.default_policies(pytest.fail) == list(settings_module.DEFAULT_POLICIES)
     model = AutoModelForCausalLM.from_pretrained(tiny[0])
-    runs = expand(list(sweep_module.DEFAULT_POLICIES), sweep_module.DEFAULT_BUDGETS)
-    assert len(runs) == 2 + 3 * len(sweep_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
+    runs = expand(list(settings_module.DEFAULT_POLICIES), settings_module.DEFAULT_BUDGETS)
+    assert len(runs) == 2 + 3 * len(settings_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
     for run in runs:
         assert sweep_module._build(model, run.spec(512)).get_seq_length() == 0
 
@@ -275,10 +318,62 @@ def test_a_budget_sweep_records_budgets_and_kept_fractions(tiny, tmp_path):
         ("window:window=8", 8, 8 / 47), ("window:window=16", 16, 16 / 47), ("window:window=5", 5, 5 / 47)
     ]
     assert records["full"]["budget"] is None and records["full"]["kept_fraction"] == 1.0
+    assert records["window @8"]["built"] == {"class": "SlidingWindowCache", "parameters": {"window": 8}}
+    assert records["full"]["built"] == {"class": "FullCache", "parameters": {}}
+    assert "- `window @16`: SlidingWindowCache(window=16)" in (tmp_path / "b" / "summary.md").read_text()
     assert (tmp_path / "b" / "frontier_ppl_ratio.png").stat().st_size > 0
     assert cli(*args, "--ratios", "0.25", "--out", str(tmp_path / "r")) == 0
     ratio = next(r for r in read_records(tmp_path / "r" / RESULTS) if r["label"] == "window @0.25x")
     assert ratio["spec"] == "window:window=12" and ratio["ratio"] == 0.25  # a quarter of the 48-token stream
+
+
+def test_records_say_what_each_budget_built(tiny, tmp_path):
+    """A budget maps onto keywords the library chooses (SnapKV's window, KNorm's recent): each
+    record shows the class and the keywords it was built with, whatever they are."""
+    from hf_kvpolicies.specs import parse_spec, policy_constructor
+
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "snapkv", "--policy", "knorm", *TINY[:-2],
+            "--task", "perplexity", "--budgets", "12", "--no-progress", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    records = {r["label"]: r for r in read_records(tmp_path / RESULTS)}
+    for name, cls in (("snapkv", "SnapKVCache"), ("knorm", "KNormCache")):
+        built = records[f"{name} @12"]["built"]
+        assert built == {"class": cls, "parameters": policy_constructor(name).budget_parameters(12)}
+        assert built["parameters"] == parse_spec(records[f"{name} @12"]["spec"])[1] and built["parameters"]["budget"] == 12
+        keywords = ", ".join(f"{k}={v}" for k, v in built["parameters"].items())
+        assert f"- `{name} @12`: {cls}({keywords})" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_second_sweep_with_other_tokens_gets_a_table_of_its_own(tiny, tmp_path):
+    model, text = tiny
+    common = ["eval", "--model", model, "--text-file", text, *TINY, "--task", "perplexity", "--out", str(tmp_path)]
+    assert cli(*common, "--policy", "full", "--policy", "window:window=16") == 0
+    assert cli(*common, "--policy", "full", "--tokens", "200") == 0
+    records = read_records(tmp_path / RESULTS)
+    ppl = {(r["policy"], r["tokens"]): r["ppl"] for r in records}
+    first, second = (tmp_path / "summary.md").read_text().split("## Setting 2 of 2")
+    assert "tokens=48" in first and "tokens=200" not in first and "tokens=200" in second and "window" not in second
+    ratio = ppl["window:window=16", 48] / ppl["full", 48]
+    assert f"| window:window=16 | 16 | {ppl['window:window=16', 48]:.3f} ({ratio:.2f}x) |" in first
+    assert f"| full | {ppl['full', 200]:.3f} (1.00x) |" in second
+    assert (tmp_path / "perplexity.png").exists() and (tmp_path / "perplexity-2.png").exists()
+
+
+def test_last_token_kept_is_a_protocol_of_eval(tiny, tmp_path):
+    model, text = tiny
+    args = ["eval", "--model", model, "--text-file", text, "--policy", "full", "--policy", "window:window=16", *TINY,
+            "--task", "passkey", "--protocol", "last-token-kept", "--protocol", "prefill", "--out", str(tmp_path)]
+    assert cli(*args) == 0
+    records = read_records(tmp_path / RESULTS)
+    assert sorted((r["policy"], r["protocol"], r["protocol_ran"], tuple(r["protocols"])) for r in records) == [
+        ("full", "any", "prefill", ("last-token-kept", "prefill")),
+        ("window:window=16", "last-token-kept", "last-token-kept", ("last-token-kept",)),
+        ("window:window=16", "prefill", "prefill", ("prefill",)),
+    ]
+    kept = next(r for r in records if r["protocol"] == "last-token-kept")
+    assert kept["kept_tokens"] == 16 and kept["kept_fraction"] == 16 / 419  # all but the last of the 420 prompt tokens fed
+    assert "| recall prefill | recall last-token-kept |" in (tmp_path / "summary.md").read_text()
 
 
 def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
@@ -298,6 +393,21 @@ def test_qa_from_a_local_jsonl_runs_under_every_protocol(tiny, tmp_path):
         assert record["dataset"].startswith("file:") and len(record["cells"]) == 3
         assert record["f1"] == sum(c["f1"] for c in record["cells"]) / 3 and 0 <= record["exact_match"] <= record["f1"] + 1e-9
     assert "QA F1 context" in (out / "summary.md").read_text()
+    assert not any(record["approximate"] for record in records)
+
+
+def test_chunked_qa_of_a_policy_that_chunks_change_is_labelled_approximate(tiny, tmp_path):
+    model, _ = tiny
+    rows = [{"context": embedded_text()[:380], "input": "What is item 0?", "answers": ["item 0"]}]
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n", encoding="utf-8")
+    args = ["eval", "--model", model, "--dataset", str(data), "--policy", "h2o:heavy=4,recent=4", "--task", "qa", "--protocol", "streamed",
+            "--qa-max-tokens", "300", "--budgets", "--no-progress"]
+    assert cli(*args, "--chunk-size", "8", "--out", str(tmp_path / "chunked")) == 0
+    assert cli(*args, "--out", str(tmp_path / "exact")) == 0
+    [chunked], [exact] = read_records(tmp_path / "chunked" / RESULTS), read_records(tmp_path / "exact" / RESULTS)
+    assert chunked["approximate"] is True and exact["approximate"] is False
+    assert '"h2o:heavy=4,recent=4",qa' in (tmp_path / "chunked" / "summary.csv").read_text()
 
 
 def test_cuda_is_refused_cleanly_without_a_gpu():

@@ -9,7 +9,7 @@ import torch
 from tiny_models import random_ids, tiny_llama
 
 from eval.perplexity import curve, perplexity, streaming_nll
-from eval.stream import DEFAULT_CHUNK, chunks_are_exact, feed, resolve_chunk
+from eval.stream import DEFAULT_CHUNK, chunks_are_exact, feed, forward_ends, resolve_chunk
 from hf_kvpolicies import FullCache, PolicyCache, SlidingWindowCache, from_spec
 from hf_kvpolicies.retention import RingRetention
 from hf_kvpolicies.retention.sink import SinkRetention
@@ -102,3 +102,18 @@ def test_curve_is_windowed_perplexity_by_position():
     assert values == pytest.approx([1.0, 4.0])
     positions, values = curve(nll[:7], bins=3)
     assert positions == [3, 6, 7]
+
+
+@pytest.mark.parametrize("spec", ["window:window=16", "sink:sink_tokens=4,window=12,positions=absolute"])
+def test_a_forward_ends_at_every_stop_and_the_result_stays_exact(spec):
+    """Stops every 3 tokens inside chunks of 50: the stream is cut where the memory trace samples,
+    and every NLL stays the token-by-token one (no lone token between two chunks)."""
+    model, ids = tiny_llama(), random_ids(1, 120)
+    ends = [(start, end) for start, end, _ in feed(model, ids, from_spec(model, spec), 50, stops=[1, 7, 50, 300])]
+    assert ends == [(0, 1), (1, 7), (7, 50), (50, 100), (100, 120)]
+    assert forward_ends(300, 50) == [50, 100, 150, 200, 250, 300] and forward_ends(257, 256) == [256, 257]
+    assert forward_ends(120, 50, [51]) == [51, 101, 120]  # not 50 and a lone 51st token before a chunk
+    one = streaming_nll(model, ids, from_spec(model, spec), chunk_size=1)
+    for stops in (range(1, 119, 3), [49], [51], [20, 30]):
+        stopped = streaming_nll(model, ids, from_spec(model, spec), chunk_size=50, stops=stops)
+        torch.testing.assert_close(stopped, one, rtol=1e-5, atol=1e-5)

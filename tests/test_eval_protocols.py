@@ -41,7 +41,8 @@ def test_every_protocol_gives_the_full_cache_the_same_answers(model, tokenizer):
             whole = (torch.cat([context, question], 1), question[:, :0]) if protocol != "context" else (context, question)
             out = answer(model, tokenizer, *whole, lambda: from_spec(model, "full"), protocol, NEW, chunk)
             assert out.texts == [text.lstrip("\n").split("\n", 1)[0] for text in expected], (protocol, chunk)
-            assert out.kept_tokens == out.fed_tokens == whole[0].shape[1] and out.governed_layers == 2
+            fed = whole[0].shape[1] - (protocol == "last-token-kept")  # its last token is decoded, after the trim
+            assert out.kept_tokens == out.fed_tokens == fed and out.governed_layers == 2
 
 
 @torch.no_grad()
@@ -71,6 +72,24 @@ def test_the_context_protocol_keeps_the_question_and_answer_outside_the_budget(m
     assert (out.fed_tokens, out.kept_tokens) == (60, 10)
     streamed = answer(model, tokenizer, torch.cat([context, question], 1), question[:, :0], lambda: from_spec(model, "window:window=10"), "streamed", NEW)
     assert streamed.kept_tokens == 10 and streamed.fed_tokens == 72  # the question counts against the budget there
+
+
+def test_last_token_kept_decodes_the_prompts_last_token_from_what_was_kept(model, tokenizer):
+    """kvpress's needle protocol: with every token kept it answers as a prefill does (the test
+    above); with a window the last prompt token no longer sees what the prefill evicted, and the
+    answer is what doing it by hand gives."""
+    ids = random_ids(1, 48)
+    cache = from_spec(model, "window:window=8")
+    with torch.no_grad():
+        model(ids[:, :-1], cache=cache)
+        last = model(ids[:, -1:], cache=cache).logits[0, -1]
+        assert not torch.allclose(last, model(ids).logits[0, -1], atol=1e-4)  # the window changed what it saw
+        by_hand = [last.argmax()]
+        for _ in range(NEW - 1):
+            by_hand.append(model(by_hand[-1].view(1, 1), cache=cache).logits[0, -1].argmax())
+    out = answer(model, tokenizer, ids, ids[:, :0], lambda: from_spec(model, "window:window=8"), "last-token-kept", NEW)
+    assert out.texts == [tokenizer.decode(torch.stack(by_hand), skip_special_tokens=True).lstrip("\n").split("\n", 1)[0]]
+    assert (out.fed_tokens, out.kept_tokens) == (47, 8)
 
 
 def test_the_context_protocol_is_refused_on_sliding_window_models(tokenizer):

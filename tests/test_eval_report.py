@@ -8,7 +8,7 @@ import io
 import pytest
 
 from eval.records import append_record, environment, identity, read_records
-from eval.report import csv_text, latex, markdown, summarize, write_report
+from eval.report import csv_text, latex, markdown, sections, summarize, write_report
 
 SETUP = {"model": "m", "gguf_file": None, "dataset": "d", "device": "cpu", "dtype": "float32"}
 
@@ -120,13 +120,46 @@ def test_write_report_makes_tables_and_plots(tmp_path):
     assert "passkey @64 prefill" in (tmp_path / "recall.md").read_text()
 
 
-def test_mixed_setups_get_their_own_rows():
+def test_mixed_setups_get_a_table_each(tmp_path):
     records = sweep_records() + [{**r, "device": "cuda"} for r in sweep_records()]
-    table = summarize(records)
-    assert len(table.rows) == 6 and table.with_setup
-    assert "m, d, cuda float32 | full" in markdown(table)
-    devices = [row["device"] for row in csv.DictReader(io.StringIO(csv_text(table)))]
+    parts = sections(records)
+    assert [(part.number, part.setup[3], len(part.records)) for part in parts] == [(1, "cpu", 15), (2, "cuda", 15)]
+    with pytest.raises(ValueError, match="hold 2 settings .*m, d, cpu float32.*m, d, cuda float32"):
+        summarize(records)
+    text = write_report(tmp_path, records)
+    assert text.count("| full |") == 2 and "## Setting 2 of 2" in text and "_m, d, cuda float32; " in text
+    devices = [row["device"] for row in csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text()))]
     assert devices == ["cpu"] * 3 + ["cuda"] * 3
+    assert (tmp_path / "perplexity.png").exists() and (tmp_path / "perplexity-2.png").exists()
+
+
+def test_figures_of_other_settings_are_never_set_side_by_side(tmp_path):
+    """Full and a window over 64 tokens, then full again over 2,000 into the same results: two
+    tables, each captioned with its own tokens, the window's ratio taken on the 64-token full cache."""
+    def stream(policy, index, tokens, ppl):
+        params = {"tokens": tokens, "chunk_size": "auto", "budget": None, "ratio": None}
+        return record(policy, "perplexity", index, ppl=ppl, tokens=tokens, params=params, curve_positions=[tokens], curve_ppl=[ppl])
+
+    records = [stream("full", 0, 64, 10.0), stream("window:window=16", 1, 64, 20.0), stream("full", 0, 2000, 8.0)]
+    text = write_report(tmp_path, records)
+    first, second = text.split("## Setting 2 of 2")
+    assert "chunk_size=auto, tokens=64" in first and "| full | 10.000 (1.00x) |" in first and "| window:window=16 | 20.000 (2.00x) |" in first
+    assert "chunk_size=auto, tokens=2000" in second and "| full | 8.000 (1.00x) |" in second and "window" not in second
+    assert "Plots: perplexity.png" in first and "Plots: perplexity-2.png" in second
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
+    assert [(row["setting"], row["policy"], row["PPL vs full"]) for row in rows] == [("1", "full", "1.0"), ("1", "window:window=16", "2.0"), ("2", "full", "1.0")]
+    assert latex_tables(tmp_path) == 2
+
+
+def latex_tables(out) -> int:
+    return (out / "summary.tex").read_text().count(r"\begin{tabular}")
+
+
+def test_a_recall_mean_is_left_out_for_a_row_that_lacks_some_of_the_tables_cells():
+    records = [r for r in sweep_records() if not (r["policy"] == "full" and r["task"] == "passkey" and r["length"] == 128)]
+    table = summarize(records)
+    column = [c.title for c in table.columns].index("recall prefill")
+    assert [values[column] is None for values in table.values] == [True, False, False]  # full lacks passkey @128
 
 
 @pytest.mark.parametrize("task", ["perplexity", "memory", "speed", "passkey"])

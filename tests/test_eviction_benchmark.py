@@ -1,13 +1,14 @@
-"""The eviction benchmark's prefill timing: contenders in turn, medians, paired ratios to full."""
+"""The eviction benchmark: contenders built from specs at the budget, the prefill timing
+(contenders in turn, medians, paired ratios to full), the needle table's helpers."""
 
 from __future__ import annotations
 
 import torch
 from tiny_models import random_ids, tiny_llama
 
-from eval.benchmarks.eviction import beside_full, greedy_answer, miss_line, prefill_seconds, targets
+from eval.benchmarks.eviction import beside_full, contender, miss_line, prefill_seconds, targets
 from eval.benchmarks.runner import Contender
-from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache
+from hf_kvpolicies import FullCache, KNormCache, SlidingWindowCache, SnapKVCache
 
 
 def test_prefill_seconds_gives_each_contender_its_median_and_ratio_to_full(one_thread):
@@ -37,19 +38,16 @@ def test_prefill_seconds_gives_each_contender_its_median_and_ratio_to_full(one_t
     assert lines == [f"knorm prefill / full @64: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'MISSED'}, <= 1.3)"]
 
 
-def test_last_token_kept_decodes_the_prompts_last_token_from_what_was_kept(one_thread):
-    """kvpress's protocol: with every token kept it changes nothing; with a window it does (the
-    last prompt token no longer sees what the prefill evicted), and it equals doing it by hand."""
-    model, ids = tiny_llama(), random_ids(1, 48)
-    at_once = greedy_answer(model, ids, FullCache(model), 6)
-    assert torch.equal(greedy_answer(model, ids, FullCache(model), 6, last_token_kept=True), at_once)
-    cache = SlidingWindowCache(model, window=8)
-    with torch.no_grad():
-        model(ids[:, :-1], cache=cache)
-        last = model(ids[:, -1:], cache=cache).logits[0, -1]
-        assert not torch.allclose(last, model(ids).logits[0, -1], atol=1e-4)  # the window changed what it saw
-    kept = greedy_answer(model, ids, SlidingWindowCache(model, window=8), 6, last_token_kept=True)
-    assert kept.shape == (6,) and kept[0] == last.argmax()
+def test_contenders_are_specs_built_at_the_budget_as_the_sweep_builds_them():
+    model = tiny_llama()
+    assert contender("full", 64).label == "full" and isinstance(contender("full", 64).make(model), FullCache)
+    assert contender("window", 64).label == "window:window=64"
+    avg = contender("snapkv:pooling=avg", 64)
+    keywords = {**SnapKVCache.budget_parameters(64), "pooling": "avg"}
+    assert avg.label == "snapkv:" + ",".join(f"{k}={v}" for k, v in keywords.items())
+    built = avg.make(model)
+    assert (type(built), built.budget, built.pooling) == (SnapKVCache, 64, "avg")
+    assert contender("snapkv:budget=32", 64).label == "snapkv:budget=32"  # a spec that sets its budget keeps it
 
 
 def test_beside_full_counts_the_full_caches_needles_found_and_the_others():

@@ -403,8 +403,8 @@ def test_specs_and_budget_parameters():
     from eval.benchmarks.eviction import contender
 
     assert SnapKVCache(model, budget=64).kernel == 21  # the needles' measured width (policies/snapkv.py)
-    named = contender("snapkv-k7", 64)  # the eviction benchmark's SnapKV at the paper's kernel 7
-    assert named.label == "snapkv-k7 budget=64,window=16,kernel=7"  # the variant's kernel wins
+    named = contender("snapkv:kernel=7", 64)  # the eviction benchmark's SnapKV at the paper's kernel 7
+    assert named.label == "snapkv:budget=64,window=16,kernel=7"  # the spec's kernel wins over the budget's
     built = named.make(model)
     assert (type(built), built.budget, built.window, built.kernel) == (SnapKVCache, 64, 16, 7)
 

@@ -44,6 +44,7 @@ from hf_kvpolicies import available_policies, from_spec
 from hf_kvpolicies.models import load_model
 from hf_kvpolicies.specs import policy_constructor
 
+from ..budgets import expand
 from ..speed import prefill, synchronize
 
 SHAPES: dict[str, Callable[[], PreTrainedModel]] = {
@@ -108,17 +109,14 @@ def contenders(policies: list[str], budgets: list[int]) -> list[tuple[str, Calla
         ("DynamicCache", lambda model, context: DynamicCache(config=model.config)),
         ("StaticCache", lambda model, context: StaticCache(config=model.config, max_cache_len=context + HEADROOM)),
     ]
-    for name in policies:
-        constructor = policy_constructor(name)
-        parameters = getattr(constructor, "budget_parameters", lambda budget: None)
-        if parameters(budgets[0]) is None:  # keeps every token: once per context, pre-sized where it can be
-            presized = "max_length" in inspect.signature(constructor).parameters
-            made.append((name, lambda model, context, name=name, presized=presized: from_spec(
+    for run in expand(list(policies), tuple(budgets)):  # each bounded policy at each budget, as the sweep builds it
+        if run.budget is None:  # keeps every token: once per context, pre-sized where it can be
+            presized = "max_length" in inspect.signature(policy_constructor(run.policy)).parameters
+            made.append((run.policy, lambda model, context, name=run.policy, presized=presized: from_spec(
                 model, f"{name}:max_length={context + HEADROOM}" if presized else name)))
             continue
-        for budget in budgets:
-            spec = f"{name}:" + ",".join(f"{key}={value}" for key, value in parameters(budget).items())
-            made.append((spec, lambda model, context, spec=spec: from_spec(model, spec)))
+        spec = run.spec(run.budget)
+        made.append((spec, lambda model, context, spec=spec: from_spec(model, spec)))
     return made
 
 

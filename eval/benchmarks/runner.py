@@ -1,6 +1,7 @@
 """What every benchmark does: the same tokens, the same timing, one table, side by side.
 
-A benchmark module names its contenders (label -> cache factory) and calls :func:`run`.
+A benchmark module names its contenders (label -> cache factory; policies as specs built at a
+budget, :func:`contender`) and calls :func:`run`.
 Runs time on a shared machine drift, so every figure of one table is measured in one process,
 decode steps are timed with every contender at every context taking turns step by step (their
 caches prefilled side by side), in ``--rounds`` rounds whose medians' median is the figure, so that neither
@@ -21,6 +22,9 @@ import transformers
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from hf_kvpolicies import from_spec
+
+from ..budgets import expand
 from ..data import embedded_text, embedded_text_version, tokenize
 from ..memory import footprint
 from ..perplexity import perplexity, streaming_nll
@@ -34,6 +38,15 @@ class Contender:
     label: str
     make: CacheFactory
     figures: dict[str, float] = field(default_factory=dict)
+
+
+def contender(spec: str, budget: int | None = None, label: str | None = None) -> Contender:
+    """A policy spec built at ``budget`` as the sweep builds it (:func:`eval.budgets.expand`: a
+    bare bounded spec gets the budget's keywords, any other keeps its own), labelled ``label`` or
+    with the spec built."""
+    [policy] = expand([spec], () if budget is None else (budget,))
+    built = policy.spec(budget or 0)
+    return Contender(label or built, lambda model: from_spec(model, built))
 
 
 def arguments(description: str, ppl_tokens: int = 2000, contexts: Sequence[int] = (1024, 2048, 4096)):
