@@ -268,7 +268,7 @@ def first_line(text: str) -> str:
 def _state(cache: Cache, fed: torch.Tensor) -> tuple:
     rows = fed.shape[0]
     ours = isinstance(cache, PolicyCache)
-    kept = cache.stored_tokens() if ours else None
+    kept = cache.kept_tokens() if ours else None
     held = held_bytes(cache)
     return (
         fed.shape[1],

@@ -155,14 +155,14 @@ class PolicyLayer(CacheLayerMixin):
         if self.retention.static:
             self.retention.leave_static(self.storage)
 
-    def kept(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def kept_keys_values(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Keys and values of the tokens kept (``[batch, heads, kept, dim]``; ``None`` before the
         first update, as ``DynamicLayer``'s; with pooled heads, each head's tokens in position
-        order, zeros where a head keeps fewer than the busiest: ``Retention.kept_tokens``)."""
+        order, zeros where a head keeps fewer than the busiest: ``Retention.kept_keys_values``)."""
         if not self.storage.is_allocated:
             return None, None
         self.host_state()
-        return self.retention.kept_tokens(self.storage)
+        return self.retention.kept_keys_values(self.storage)
 
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens seen: a host int, or (inside a compiled step and after one, as ``StaticLayer``)
@@ -484,7 +484,7 @@ class PolicyCache(Cache):
         """Per layer, as ``DynamicCache`` yields: kept keys, kept values, and the model's sliding
         window as a tensor on sliding layers (``None`` elsewhere)."""
         for layer, layout in zip(self.layers, self.layouts):
-            keys, values = layer.kept()
+            keys, values = layer.kept_keys_values()
             window = None if layout.sliding_window is None or not layer.is_sliding else torch.tensor(layout.sliding_window)
             yield keys, values, window
 
@@ -496,13 +496,13 @@ class PolicyCache(Cache):
         """
         return sum(layer.storage.nbytes + layer.retention.state_nbytes for layer in self.layers)
 
-    def stored_tokens(self, layer_idx: int | None = None) -> int:
+    def kept_tokens(self, layer_idx: int | None = None) -> int:
         """Tokens currently kept by a layer, by default the first the policy governs (``get_seq_length``
         counts every token seen; a hybrid model's own sliding layers keep its window whatever the policy)."""
         layer = self.layers[self.first_policy_layer if layer_idx is None else layer_idx]
         if layer.retention.stale:
             layer.host_state()
-        return layer.retention.stored
+        return layer.retention.kept
 
     @property
     def first_policy_layer(self) -> int:

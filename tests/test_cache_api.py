@@ -92,7 +92,7 @@ def test_latent_attention_window_evicts_like_its_reference():
     got = prefill_then_decode(model, ids, cache, prefill=10)
     expected = streaming_reference(model, ids, window=6, causal_prefix=10)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    assert cache.stored_tokens() == 6 and cache.get_seq_length() == 30
+    assert cache.kept_tokens() == 6 and cache.get_seq_length() == 30
 
 
 def test_latent_attention_refuses_rerotated_sinks_at_construction():
@@ -144,7 +144,7 @@ def test_every_policy_iterates_over_what_it_keeps(name):
     layers = list(cache)
     assert len(layers) == 2
     for index, (keys, values, window) in enumerate(layers):
-        assert keys.shape == values.shape == (2, 2, cache.stored_tokens(index), 16) and window is None
+        assert keys.shape == values.shape == (2, 2, cache.kept_tokens(index), 16) and window is None
 
 
 def test_repr_is_readable():
@@ -159,7 +159,7 @@ def test_numpy_integers_are_integers():
     model = tiny_llama()
     cache = SlidingWindowCache(model, window=np.int64(4))
     prefill_then_decode(model, random_ids(1, 12), cache, prefill=6)
-    assert cache.stored_tokens() == 4 and type(cache.window) is int
+    assert cache.kept_tokens() == 4 and type(cache.window) is int
     sink = SinkCache(model, sink_tokens=np.int32(2), window=np.int64(4))
     assert (sink.sink_tokens, sink.window) == (2, 4)
     with pytest.raises(ValueError, match="window must be an integer >= 1, got True"):
@@ -175,12 +175,12 @@ def test_a_cache_refuses_another_batch_size_before_writing(name):
         kwargs["tokenizer"] = char_tokenizer()
     cache = constructor(model, **kwargs)
     prefill_then_decode(model, random_ids(3, 12), cache, prefill=10)
-    seen, kept = cache.get_seq_length(), [layer.kept() for layer in cache.layers]
+    seen, kept = cache.get_seq_length(), [layer.kept_keys_values() for layer in cache.layers]
     with torch.no_grad(), pytest.raises(ValueError, match=r"holds a batch of 3 rows and this forward brings 1: call cache.reset\(\)"):
         model(random_ids(1, 1), cache=cache)
     assert cache.get_seq_length() == seen  # nothing was written
     for layer, (keys, values) in zip(cache.layers, kept):
-        torch.testing.assert_close(layer.kept()[0], keys, atol=0, rtol=0)
+        torch.testing.assert_close(layer.kept_keys_values()[0], keys, atol=0, rtol=0)
     cache.reset()
     prefill_then_decode(model, random_ids(1, 12), cache, prefill=10)
     assert cache.get_seq_length() == 12

@@ -140,4 +140,4 @@ def test_every_registered_bounded_policy_keeps_its_budget(model, name):
         model(random_ids(1, 100), cache=cache)
         model(random_ids(1, 1), cache=cache)
     governed = [i for i, decides in enumerate(cache.governed) if decides]
-    assert sum(cache.stored_tokens(i) for i in governed) == 16 * len(governed)  # adaptive budgets share the total
+    assert sum(cache.kept_tokens(i) for i in governed) == 16 * len(governed)  # adaptive budgets share the total

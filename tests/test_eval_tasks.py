@@ -43,7 +43,7 @@ class Kept(Task):
         with torch.no_grad():
             bench.model(bench.ids[:, : bench.settings.tokens], cache=cache)
         for job in jobs:
-            yield job, {"kept_tokens": cache.stored_tokens(), "approximate": False, "elapsed_s": 0.0}
+            yield job, {"kept_tokens": cache.kept_tokens(), "approximate": False, "elapsed_s": 0.0}
 
     def headline(self, record):
         return f"kept {record['kept_tokens']} tokens"

@@ -69,7 +69,7 @@ def test_model_sliding_layers_keep_the_model_window():
     prefill_then_decode(model, random_ids(1, 30), cache, prefill=12)
     window = model.config.sliding_window
     assert [layer.is_sliding for layer in cache.layers] == [True, True, False]
-    assert [cache.stored_tokens(i) for i in range(3)] == [window - 1, window - 1, 30]
+    assert [cache.kept_tokens(i) for i in range(3)] == [window - 1, window - 1, 30]
     assert all(cache.layers[i].get_seq_length() == 30 for i in range(3))
 
 
@@ -107,13 +107,13 @@ def test_first_policy_layer_skips_the_models_own_sliding_layers():
     assert FullCache(tiny_gemma3(layer_types=["sliding_attention"] * 3)).first_policy_layer == 0
 
 
-def test_stored_tokens_reads_the_first_governed_layer_by_default():
+def test_kept_tokens_reads_the_first_governed_layer_by_default():
     model = tiny_gemma3()  # layers 0 and 1 slide with the model window of 8
     cache = FullCache(model)
     with torch.no_grad():
         model(random_ids(1, 20), cache=cache)
-    assert cache.stored_tokens() == cache.stored_tokens(2) == 20
-    assert cache.stored_tokens(0) == 7  # the sliding layer keeps the model window (8) less one, as DynamicCache does
+    assert cache.kept_tokens() == cache.kept_tokens(2) == 20
+    assert cache.kept_tokens(0) == 7  # the sliding layer keeps the model window (8) less one, as DynamicCache does
 
 
 def test_governed_layers_counts_the_layers_the_policy_decides():

@@ -208,10 +208,10 @@ def test_fractions_are_fixed_at_prefill():
     model = tiny_llama()
     cache = H2OCache(model, heavy=0.25, recent=0.25)
     prefill_then_decode(model, random_ids(1, 40), cache, prefill=24)
-    assert cache.get_max_length() == 12 and cache.stored_tokens() == 12 and cache.get_seq_length() == 40
+    assert cache.get_max_length() == 12 and cache.kept_tokens() == 12 and cache.get_seq_length() == 40
     cache.reset()  # a new prompt fixes the budget again
     prefill_then_decode(model, random_ids(1, 44), cache, prefill=40)
-    assert cache.get_max_length() == 20 and cache.stored_tokens() == 20 and cache.get_seq_length() == 44
+    assert cache.get_max_length() == 20 and cache.kept_tokens() == 20 and cache.get_seq_length() == 44
     cache = from_spec(model, "h2o:heavy=0.5,recent=3")
     assert (cache.heavy, cache.recent) == (0.5, 3)
     with pytest.raises(ValueError, match="at least 1 token"):
@@ -265,7 +265,7 @@ def test_memory_counts_scores_and_positions_and_is_constant():
     assert cache.get_memory_footprint() == 2 * per_layer
     prefill_then_decode(model, random_ids(2, 60), cache, prefill=1)
     assert cache.get_memory_footprint() == 2 * per_layer
-    assert cache.stored_tokens() == 10 and cache.get_seq_length() == 90
+    assert cache.kept_tokens() == 10 and cache.get_seq_length() == 90
 
 
 def test_composes_with_fp8_storage():
@@ -278,4 +278,4 @@ def test_composes_with_fp8_storage():
     got = prefill_then_decode(model, ids, fp8, prefill=30)
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0)
     assert fp8.get_memory_footprint() < native.get_memory_footprint() / 2
-    assert fp8.stored_tokens() == native.stored_tokens() == 16
+    assert fp8.kept_tokens() == native.kept_tokens() == 16

@@ -178,7 +178,7 @@ def test_storage_is_pooled_and_bytes_are_the_budget(one_thread):
         assert layer_p.storage.keys.shape == (2, 1, 2 * 11, 16)
         assert layer_u.storage.keys.shape == (2, 2, 11, 16)
         assert layer_p.storage.nbytes == layer_u.storage.nbytes
-        assert layer_p.retention.stored == layer_u.retention.stored == 10
+        assert layer_p.retention.kept == layer_u.retention.kept == 10
         assert layer_p.retention.held_slots == 20
     from eval.memory import held_bytes
 
@@ -334,4 +334,4 @@ def test_attention_without_per_head_masks_is_refused():
 
 def test_spec():
     cache = from_spec(tiny_llama(), "h2o:heavy=4,recent=4,head_budgets=adaptive")
-    assert cache.head_budgets == "adaptive" and cache.layers[0].retention.pooled
+    assert cache.head_budgets == "adaptive" and cache.layers[0].retention.layout.pooled

@@ -137,7 +137,7 @@ def test_budget_covering_everything_is_full_cache(make_model, layer_budgets, one
     cache = KVzipCache(model, budget=80, recent=8, layer_budgets=layer_budgets, tokenizer=TOKENIZER)
     # uniform budgets take static decode steps (the whole fixed buffer, unfilled slots masked): equal up to rounding
     torch.testing.assert_close(prefill_then_decode(model, ids, cache, prefill=16), expected, rtol=0, atol=1e-5)
-    assert cache.get_seq_length() == 48 and cache.stored_tokens() == 48
+    assert cache.get_seq_length() == 48 and cache.kept_tokens() == 48
 
 
 def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
@@ -149,7 +149,7 @@ def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
     per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8
     assert cache.get_memory_footprint() == 2 * per_layer
     assert all(layer.retention.pending is None for layer in cache.layers)  # the 120-token prompt is freed
-    assert cache.get_seq_length() == 120 and cache.stored_tokens() == BUDGET  # no reconstruction token counted
+    assert cache.get_seq_length() == 120 and cache.kept_tokens() == BUDGET  # no reconstruction token counted
     prefill_then_decode(model, random_ids(2, 40), cache, prefill=1)
     assert cache.get_memory_footprint() == 2 * per_layer and cache.get_seq_length() == 160
 

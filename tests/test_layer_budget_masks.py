@@ -48,7 +48,7 @@ def test_layers_of_different_sizes_give_eager_the_logits_of_sdpa(name, one_threa
     eager, sdpa = model_for("eager"), model_for("sdpa")
     cache = CACHES[name](eager)
     logits = chunked_logits(eager, cache, ids)
-    sizes = {layer.retention.stored for layer in cache.layers}
+    sizes = {layer.retention.kept for layer in cache.layers}
     assert len(sizes) > 1 or name.endswith("adaptive")  # pyramid: the layers really differ
     torch.testing.assert_close(logits, chunked_logits(sdpa, CACHES[name](sdpa), ids), atol=2e-5, rtol=0)
 

@@ -48,7 +48,7 @@ def test_pyramid_layers_hold_their_own_budgets(one_thread):
     cache = SnapKVCache(model, budget=20, window=4, kernel=3, layer_budgets="pyramid")
     prefill_then_decode(model, random_ids(1, 90), cache, prefill=50)
     assert cache.layer_budget_sizes() == [35, 25, 15, 5]
-    assert [cache.stored_tokens(i) for i in range(4)] == [35, 25, 15, 5]
+    assert [cache.kept_tokens(i) for i in range(4)] == [35, 25, 15, 5]
     assert [layer.storage.capacity for layer in cache.layers] == [36, 26, 16, 6]
     assert cache.get_memory_footprint() == footprint_by_hand([35, 25, 15, 5], history=4)
     uniform = SnapKVCache(model, budget=20, window=4, kernel=3)
@@ -79,7 +79,7 @@ def test_adaptive_budgets_keep_the_total_and_size_each_layer(make, one_thread):
     assert any(len(set(row)) > 1 for row in by_row) or isinstance(cache, H2OCache)
     assert all(b >= layer.retention.protected for row in by_row for b, layer in zip(row, cache.layers))
     assert [layer.storage.capacity for layer in cache.layers] == [b + 1 for b in budgets]
-    assert [cache.stored_tokens(i) for i in range(4)] == budgets
+    assert [cache.kept_tokens(i) for i in range(4)] == budgets
     assert [tuple(layer.retention.kept_positions().shape) for layer in cache.layers] == [(2, 2, b) for b in budgets]
     for row, row_budgets in enumerate(by_row):  # a row keeps its own budget in every layer and head
         for layer, budget in zip(cache.layers, row_budgets):

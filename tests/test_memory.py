@@ -45,7 +45,7 @@ def test_window_memory_is_constant_once_full():
     first = cache.get_memory_footprint()
     prefill_then_decode(model, random_ids(1, 60), cache, prefill=1)
     assert cache.get_memory_footprint() == first == analytic(2, 2, 16, 17, 4)  # window + 1 ring slots
-    assert cache.stored_tokens() == 16 and cache.get_seq_length() == 100
+    assert cache.kept_tokens() == 16 and cache.get_seq_length() == 100
 
 
 def test_mixed_model_counts_sliding_layers_at_the_model_window():

@@ -131,6 +131,6 @@ def test_positions_cache_is_refused_clearly_and_absolute_works(name):
     with torch.no_grad():
         for t in range(12):
             model(ids[:, t : t + 1], cache=cache)
-    assert cache.get_seq_length() == 12 and cache.stored_tokens() == 6
+    assert cache.get_seq_length() == 12 and cache.kept_tokens() == 6
     # no sinks: nothing to re-rotate, so positions='cache' needs no RoPE
-    assert SinkCache(model, sink_tokens=0, window=4).stored_tokens() == 0
+    assert SinkCache(model, sink_tokens=0, window=4).kept_tokens() == 0

@@ -382,7 +382,7 @@ def test_knorm_evicts_alike_under_eager_sdpa_and_flex_attention(one_thread):
         cache = KNormCache(model, budget=10, recent=4)
         logits[implementation] = _prefill_decode_chunk(model, cache, ids)
         kept[implementation] = [layer.retention.kept_positions() for layer in cache.layers]
-        assert cache.stored_tokens(0) < 40 and cache.get_seq_length() == 40
+        assert cache.kept_tokens(0) < 40 and cache.get_seq_length() == 40
     for implementation in ("eager", "flex_attention"):
         torch.testing.assert_close(logits[implementation], logits["sdpa"], atol=1e-5, rtol=0)
         assert all(torch.equal(a, b) for a, b in zip(kept[implementation], kept["sdpa"]))

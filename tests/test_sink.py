@@ -108,7 +108,7 @@ def test_absolute_positions_match_the_band_with_sink_columns(tiny_model):
     torch.testing.assert_close(got, streaming_reference(tiny_model, ids, window=5, sinks=3), atol=ATOL, rtol=0)
     without_sinks = streaming_reference(tiny_model, ids, window=5)
     assert (got[:, 9:] - without_sinks[:, 9:]).abs().max() > 1e-2  # the sinks are attended to
-    assert cache.stored_tokens(cache.first_policy_layer) == 8 and cache.get_seq_length() == 40
+    assert cache.kept_tokens(cache.first_policy_layer) == 8 and cache.get_seq_length() == 40
 
 
 @pytest.mark.parametrize("prefill", [1, 20])
@@ -186,7 +186,7 @@ def test_memory_is_constant_and_decoding_writes_in_place(positions):
     ids = random_ids(1, 10_000, seed=5)
     cache = SinkCache(model, sink_tokens=4, window=60, positions=positions)
     at_2000 = stream_long(model, cache, ids)
-    assert cache.get_seq_length() == 10_000 and cache.stored_tokens() == 64
+    assert cache.get_seq_length() == 10_000 and cache.kept_tokens() == 64
     assert cache.get_memory_footprint() == at_2000
     sink_copies = 2 * 4 * model.config.num_key_value_heads * 16 * 4  # keys + values, 4 sinks, fp32
     extra = sink_copies if positions == "cache" else 0

@@ -54,7 +54,7 @@ def test_budget_covering_the_model_window_is_transformers_sliding_layer(make):
     assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in reference.layers)
     cache = make(model)
     torch.testing.assert_close(prefill_then_decode(model, ids, cache, prefill=10), expected, atol=1e-5, rtol=0)
-    assert [cache.stored_tokens(i) for i in range(2)] == [MODEL_WINDOW - 1] * 2
+    assert [cache.kept_tokens(i) for i in range(2)] == [MODEL_WINDOW - 1] * 2
     assert torch.equal(greedy(model, ids[:1, :9], make(model), 20), greedy(model, ids[:1, :9], None, 20))
 
 
@@ -65,7 +65,7 @@ def test_a_smaller_window_chooses_inside_the_model_window(prefill):
     cache = SlidingWindowCache(model, window=3)
     got = prefill_then_decode(model, ids, cache, prefill=prefill)
     torch.testing.assert_close(got, banded_reference(model, ids, window=3, prefill=prefill), atol=1e-5, rtol=0)
-    assert cache.stored_tokens() == 3 and cache.get_seq_length() == 28
+    assert cache.kept_tokens() == 3 and cache.get_seq_length() == 28
     full = prefill_then_decode(model, ids, FullCache(model), prefill=prefill)
     assert (got - full).abs().max() > 1e-2  # the policy does something
 
@@ -105,7 +105,7 @@ def test_full_caches_roll_back_on_a_hybrid_model_like_dynamic_cache(make, mode):
     assert torch.equal(greedy(model, ids, cache, 24, **extra), expected)
     assert torch.equal(expected, greedy(model, ids, None, 24))  # greedy drafting changes no token
     window = model.config.sliding_window
-    assert [cache.stored_tokens(i) for i in range(2)] == [window - 1] * 2  # restricted back to the window
+    assert [cache.kept_tokens(i) for i in range(2)] == [window - 1] * 2  # restricted back to the window
 
 
 def test_fp8_cache_rolls_back_with_its_default_residual():

@@ -29,7 +29,7 @@ def test_token_by_token_matches_a_banded_causal_mask(tiny_model):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     full = streaming_reference(tiny_model, ids, window=40)
     assert (got[:, 6:] - full[:, 6:]).abs().max() > 1e-2  # the window binds: the test can fail
-    assert cache.stored_tokens(cache.first_policy_layer) == 5
+    assert cache.kept_tokens(cache.first_policy_layer) == 5
     assert cache.get_seq_length() == 40
 
 
@@ -89,7 +89,7 @@ def test_memory_is_constant_and_decoding_writes_in_place():
     ids = random_ids(1, 10_000, seed=5)
     cache = SlidingWindowCache(model, window=64)
     at_2000 = stream_long(model, cache, ids)
-    assert cache.get_seq_length() == 10_000 and cache.stored_tokens() == 64
+    assert cache.get_seq_length() == 10_000 and cache.kept_tokens() == 64
     assert cache.get_memory_footprint() == at_2000
     assert cache.layers[0].storage.capacity == 65
 

@@ -72,7 +72,7 @@ def _measure(bench: Bench, unit: Unit) -> StreamPass:
     stops = range(1, fed, stride)
     nll = streaming_nll(model, stream, cache, progress=settings.progress, desc=unit.desc, chunk_size=chunk, observer=trace.observe, stops=stops)
     trace.finish(fed)
-    kept = cache.stored_tokens() if isinstance(cache, PolicyCache) else None
+    kept = cache.kept_tokens() if isinstance(cache, PolicyCache) else None
     figures = {
         "tokens": stream.shape[1], "chunk_size": chunk, "approximate": approximate, "elapsed_s": time.perf_counter() - start,
         "kept_tokens": kept, "kept_fraction": None if kept is None else kept / (stream.shape[1] - 1),

@@ -38,7 +38,7 @@ class KNormCache(ScoredCache):
         if recent > budget:
             raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
         self.budget, self.recent = budget, recent
-        super().__init__(model, lambda: KNormRetention(budget, recent), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda **options: KNormRetention(budget, recent, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

@@ -45,6 +45,8 @@ class KVzipCache(ScoredCache):
     cannot be rebuilt, are refused at construction.
     """
 
+    waits_for_cache = True
+    """The first forward waits for its reconstruction scores, fitting the budget or not."""
     adaptive_rule = staticmethod(busiest_head_budgets)
     """KVzip ranks raw reconstruction scores of every layer and head together; a layer is sized
     for what its heads won together (pooled heads), or for the head that wins most (uniform heads)."""
@@ -84,9 +86,10 @@ class KVzipCache(ScoredCache):
         self.context_ids: torch.Tensor | None = None
         """The first forward's ``input_ids`` (seen by :meth:`before_forward`), until its reconstruction."""
         self.reconstructed = False
-        super().__init__(model, lambda: KVzipRetention(budget, recent, sinks), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
-        for retention in self.scored_layers():
-            retention.defers_trim = True  # the first forward waits for its reconstruction scores
+        super().__init__(
+            model, lambda **options: KVzipRetention(budget, recent, sinks, **options),
+            layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets,
+        )
 
     def before_forward(self, token: str, inputs: torch.Tensor, attention_mask: Any, config, dtype: torch.dtype) -> Any:
         """The first forward's token ids are the context the reconstruction repeats."""
@@ -122,13 +125,10 @@ class KVzipCache(ScoredCache):
         self.context_ids = None
         for (retention, _), score in zip(layers, scores):
             retention.take_reconstruction(score)
-            retention.defers_trim = retention.pending is not None  # only the prompt waits for the cache
 
     def reset(self) -> None:
         super().reset()
         self.context_ids, self.reconstructed = None, False
-        for retention in self.scored_layers():
-            retention.defers_trim = True
 
 
 def resolve_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | str | None) -> PreTrainedTokenizerBase:

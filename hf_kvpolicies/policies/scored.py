@@ -30,7 +30,9 @@ from ..hooks import check_attention_implementation
 from ..masks import MASK_FORMATS
 from ..model_layout import layer_layouts
 from ..retention.layer_budgets import adaptive_budgets, budgets_by_row, pyramid_budgets
-from ..retention.scored import HEAD_BUDGETS, Pending, ScoredRetention
+from ..retention.head_layouts import HEAD_LAYOUTS
+from ..retention.scored import ScoredRetention
+from ..retention.scoring import Pending
 from ..storage import StorageFactory
 from ..validation import check_choice
 
@@ -40,10 +42,13 @@ HeadBudgets = Literal["uniform", "adaptive"]
 
 
 class ScoredCache(PolicyCache):
-    """A :class:`PolicyCache` whose governed layers each hold a scored retention from ``retention()``."""
+    """A :class:`PolicyCache` whose governed layers each hold a scored retention from
+    ``retention(**options)``: the statistic's own arguments are the policy's, the options (the
+    head layout, whether the first forward waits for the cache, the layer's budget share) the
+    cache's, passed to every layer's retention at construction."""
 
-    defer_every_prefill = False
-    """True in a subclass whose every over-budget forward needs the cache-level step (KVzip)."""
+    waits_for_cache = False
+    """True in a subclass whose first forward needs the cache-level step whatever its budgets (KVzip)."""
     adaptive_rule = staticmethod(adaptive_budgets)
     """How ``layer_budgets="adaptive"`` shares the total (normalised scores of all layers compete;
     KVzip sizes layers by their busiest head instead: :func:`~hf_kvpolicies.retention.layer_budgets.busiest_head_budgets`)."""
@@ -51,7 +56,7 @@ class ScoredCache(PolicyCache):
     def __init__(
         self,
         model: PreTrainedModel,
-        retention: Callable[[], ScoredRetention],
+        retention: Callable[..., ScoredRetention],
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
         head_budgets: HeadBudgets = "uniform",
@@ -61,7 +66,7 @@ class ScoredCache(PolicyCache):
         except ValueError as error:
             raise ValueError(f"{error}: write layer_budgets='uniform', 'pyramid' or 'adaptive'") from None
         try:
-            check_choice("head_budgets", head_budgets, HEAD_BUDGETS)
+            check_choice("head_budgets", head_budgets, tuple(HEAD_LAYOUTS))
         except ValueError as error:
             raise ValueError(f"{error}: write head_budgets='uniform' or 'adaptive'") from None
         implementation = model.config._attn_implementation
@@ -77,13 +82,15 @@ class ScoredCache(PolicyCache):
         governed = [layout.index for layout in layer_layouts(model) if not layout.is_sliding]
 
         def make(layout) -> ScoredRetention:
-            layer = retention()
+            share = None
             if layer_budgets == "pyramid":
                 index, count = governed.index(layout.index), len(governed)
-                layer.layer_budget = lambda budget, protected: pyramid_budgets(budget, protected, count)[index]
-            layer.defers_trim = layer_budgets == "adaptive" or self.defer_every_prefill
-            layer.pooled = head_budgets == "adaptive"
-            return layer
+                share = lambda budget, protected: pyramid_budgets(budget, protected, count)[index]  # noqa: E731
+            return retention(
+                layout=HEAD_LAYOUTS[head_budgets],
+                waits_for_cache=layer_budgets == "adaptive" or self.waits_for_cache,
+                layer_budget=share,
+            )
 
         self.layer_budgets, self.head_budgets = layer_budgets, head_budgets
         super().__init__(model, make, storage=storage)
@@ -131,7 +138,6 @@ class ScoredCache(PolicyCache):
                 candidates = [retention.candidate_scores() for retention in retentions]
                 budgets = budgets_by_row(self.adaptive_rule, candidates, reserve, fitting, over, self.head_budgets == "adaptive")
         for layer, budget in zip(waiting, budgets):
-            layer.retention.defers_trim = self.defer_every_prefill
             layer.retention.finish(layer.storage, budget)
         for layer in self.layers:  # the trims (and rescoring) may have replaced the static state
             layer.enter_static_if_ready()

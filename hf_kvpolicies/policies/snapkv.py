@@ -58,7 +58,7 @@ class SnapKVCache(ScoredCache):
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         super().__init__(
             model,
-            lambda: SnapKVRetention(budget, window, kernel, pooling),
+            lambda **options: SnapKVRetention(budget, window, kernel, pooling, **options),
             layer_budgets=layer_budgets,
             storage=storage,
             head_budgets=head_budgets,

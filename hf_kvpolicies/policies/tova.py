@@ -29,4 +29,4 @@ class TOVACache(ScoredCache):
     ) -> None:
         check_int("budget", budget, minimum=1)
         self.budget = budget
-        super().__init__(model, lambda: TOVARetention(budget), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda **options: TOVARetention(budget, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)

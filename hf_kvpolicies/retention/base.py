@@ -26,6 +26,7 @@ import torch
 
 from ..storage import Storage
 from ..storage.base import SlotIndex
+from .counts import Counts
 
 
 GROWTH = 1.25
@@ -54,22 +55,44 @@ class Retention(ABC):
     """True when decode steps can take :meth:`static_step` (torch.compile, CUDA graphs)."""
 
     def __init__(self) -> None:
-        self.seen = 0
-        """Tokens seen so far, kept or not: drives positions and masks."""
-        self.live = 0
-        """Slots ``[0, live)`` hold tokens that a decode step attends to."""
+        self.counts = Counts()
+        """Tokens seen and slots in use, on the host and during static steps on the device."""
         self.slot_pos: torch.Tensor | None = None
         """Absolute position (index in the stream) held by each slot, ``-1`` when empty."""
         self.record_past = False
         """Set while generate() may roll back (assisted decoding): a croppable retention then keeps
         what a :meth:`crop` needs to restore."""
-        self.static = False
-        """True while decode steps take :meth:`static_step`: the device state below is authoritative."""
-        self.stale = False
-        """True once a compiled static step ran: ``seen`` and ``live`` lag ``seen_t`` until :meth:`leave_static`."""
-        self.seen_t: torch.Tensor | None = None
-        """``seen`` on the device (0-d long), advanced in place by static steps."""
-        self._entry: tuple[int, int] = (0, 0)  # (seen, live) when static steps began
+
+    @property
+    def seen(self) -> int:
+        """Tokens seen so far, kept or not: drives positions and masks."""
+        return self.counts.seen
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self.counts.seen = value
+
+    @property
+    def live(self) -> int:
+        """Slots ``[0, live)`` hold tokens that a decode step attends to."""
+        return self.counts.live
+
+    @live.setter
+    def live(self, value: int) -> None:
+        self.counts.live = value
+
+    @property
+    def static(self) -> bool:
+        """True while decode steps take :meth:`static_step` (:class:`Counts`)."""
+        return self.counts.static
+
+    @property
+    def stale(self) -> bool:
+        return self.counts.stale
+
+    @property
+    def seen_t(self) -> torch.Tensor | None:
+        return self.counts.seen_t
 
     # --- what subclasses decide -------------------------------------------------------
     @abstractmethod
@@ -103,15 +126,15 @@ class Retention(ABC):
 
     # --- the shared mechanics ---------------------------------------------------------
     @property
-    def stored(self) -> int:
+    def kept(self) -> int:
         """Tokens currently kept (what a memory or quality comparison should quote)."""
         return self.live if self.max_length < 0 else min(self.live, self.max_length)
 
     @property
     def held_slots(self) -> int:
-        """Storage slots that hold kept tokens (what their bytes are counted from): ``stored``,
-        unless the storage is laid out otherwise (pooled heads: ``stored`` times the heads)."""
-        return self.stored
+        """Storage slots that hold kept tokens (what their bytes are counted from): ``kept``,
+        unless the storage is laid out otherwise (pooled heads: ``kept`` times the heads)."""
+        return self.kept
 
     def kept_slots(self) -> torch.Tensor:
         """Slots holding kept tokens, in ascending position order."""
@@ -119,7 +142,7 @@ class Retention(ABC):
         order = torch.argsort(positions)
         return order[self.select(positions[order])]
 
-    def kept_tokens(self, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
+    def kept_keys_values(self, storage: Storage) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the kept tokens, ``[batch, heads, kept, dim]``, in position order."""
         return storage.gather(self.kept_slots().to(storage.device))
 
@@ -173,7 +196,7 @@ class Retention(ABC):
         """Number of keys the next ``update`` with ``q`` tokens returns (``get_mask_sizes``)."""
         slots = self.plan(q)
         if slots is None:
-            return self.stored + q
+            return self.kept + q
         return max(self.live, self._end(slots, q))
 
     def key_positions(self, q: int) -> torch.Tensor:
@@ -213,12 +236,9 @@ class Retention(ABC):
         """Per-row state to reorder with the storage (nothing for layouts shared by all rows)."""
 
     def reset(self) -> None:
-        self.seen = 0
-        self.live = 0
+        self.counts.reset()
         self.slot_pos = None
         self.record_past = False
-        self.static = self.stale = False
-        self.seen_t = None
 
     def start_recording(self, storage: Storage) -> None:
         """Past recording begins (before a forward that may be rolled back)."""
@@ -236,14 +256,10 @@ class Retention(ABC):
     def enter_static(self, storage: Storage) -> None:
         """Copy the host state to the device (eagerly, never inside a compiled region) and give
         every tensor a static step mutates a fixed address."""
-        if self.seen_t is None or self.seen_t.device != storage.device:
-            self.seen_t = torch.zeros((), dtype=torch.long, device=storage.device)
-        self.seen_t.fill_(self.seen)
-        for tensor in [self.seen_t, *self._enter_static(storage)]:
+        seen_t = self.counts.enter(storage.device)
+        for tensor in [seen_t, *self._enter_static(storage)]:
             torch._dynamo.mark_static_address(tensor)
         storage.enter_static()
-        self._entry = (self.seen, self.live)
-        self.static, self.stale = True, False
 
     def static_step(
         self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query: tuple[torch.Tensor, float] | None = None
@@ -254,12 +270,8 @@ class Retention(ABC):
 
     def leave_static(self, storage: Storage) -> None:
         """Back to host bookkeeping (before any host-side use of the layout; may read the device)."""
-        if self.stale:
-            self.seen = int(self.seen_t)
-            self.live = min(self._entry[1] + self.seen - self._entry[0], storage.capacity)
-        self._leave_static(storage, self.seen - self._entry[0])
+        self._leave_static(storage, self.counts.sync(storage.capacity))
         storage.leave_static()
-        self.static = self.stale = False
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
         """The subclass's device state, filled from the host; returns the tensors static steps mutate."""
@@ -269,14 +281,8 @@ class Retention(ABC):
         """Host bookkeeping after ``steps`` static steps (``seen`` and ``live`` are current)."""
 
     def _static_done(self, storage: Storage) -> None:
-        """After a static step: eagerly, the host counts follow (plain ints, nothing read back); in a
-        compiled step they cannot change (dynamo would recompile for each value), so they go stale."""
-        self.seen_t.add_(1)
-        if torch.compiler.is_compiling():
-            self.stale = True
-        else:
-            self.seen += 1
-            self.live = min(self.live + 1, storage.capacity)
+        """After a static step: the counts advance (:meth:`Counts.advance`)."""
+        self.counts.advance(storage.capacity)
 
     # --- helpers for subclasses -------------------------------------------------------
     def _after_trim(self) -> None:

@@ -22,8 +22,8 @@ def tokens(value: int | float, prompt: int) -> int:
 class H2ORetention(ScoredRetention):
     """Heavy hitters + recent window per (row, KV head)."""
 
-    def __init__(self, heavy: int | float, recent: int | float) -> None:
-        super().__init__(budget=0, protected=0)
+    def __init__(self, heavy: int | float, recent: int | float, **options) -> None:
+        super().__init__(budget=0, protected=0, **options)
         self.requested_tokens = (heavy, recent)
 
     def token_budget(self) -> int | None:

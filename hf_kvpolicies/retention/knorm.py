@@ -35,8 +35,8 @@ class KNormRetention(ScoredRetention):
 
     needs_queries = False
 
-    def __init__(self, budget: int, recent: int) -> None:
-        super().__init__(budget, protected=recent)
+    def __init__(self, budget: int, recent: int, **options) -> None:
+        super().__init__(budget, protected=recent, **options)
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         inverse = rounded(seen.new_keys.float().norm(dim=-1).reciprocal())

@@ -31,8 +31,8 @@ trim and its running maximum never falls below any other token's, so decoding ne
 class KVzipRetention(ScoredRetention):
     """Reconstruction scores for the prompt, then the running maximum of the attention received."""
 
-    def __init__(self, budget: int, recent: int, sinks: int = 0) -> None:
-        super().__init__(budget=budget, protected=recent)
+    def __init__(self, budget: int, recent: int, sinks: int = 0, **options) -> None:
+        super().__init__(budget=budget, protected=recent, **options)
         self.sinks = sinks
         self.awaiting_reconstruction = True
         """True until the cache has written the first forward's reconstruction scores."""
@@ -48,6 +48,7 @@ class KVzipRetention(ScoredRetention):
     def take_reconstruction(self, scores: torch.Tensor) -> None:
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""
         self.awaiting_reconstruction = False
+        self.waiting = self.pending is not None  # a prompt over the budget waits for its trim; later forwards do not wait
         self.protected_from = self.seen  # the prompt's tokens rank by these scores alone
         if self.sinks:
             positions = self.positions[..., : self.live] if self.pending is None else self.pending.positions
@@ -58,7 +59,7 @@ class KVzipRetention(ScoredRetention):
             return
         self.scores[..., : self.live] = scores  # the prompt fits: stored in order, one slot per token
         if self.has_free:  # it filled budget + 1 slots: the slot to free is chosen again, now by score
-            self.free = self._lowest(self.positions, self.scores)
+            self.free = self.lowest(self.positions, self.scores)
 
     def reset(self) -> None:
         super().reset()

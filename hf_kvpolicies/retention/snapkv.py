@@ -29,8 +29,8 @@ from .scored import Attended, ScoredRetention
 class SnapKVRetention(ScoredRetention):
     """Observation window + the best-scoring others per (row, KV head)."""
 
-    def __init__(self, budget: int, window: int, kernel: int, pooling: str) -> None:
-        super().__init__(budget, protected=window)
+    def __init__(self, budget: int, window: int, kernel: int, pooling: str, **options) -> None:
+        super().__init__(budget, protected=window, **options)
         self.window, self.kernel, self.pooling = window, kernel, pooling
         self.query_rows = window  # the observation window's queries only
 

@@ -18,8 +18,8 @@ class TOVARetention(ScoredRetention):
 
     query_rows = 1  # the latest query only
 
-    def __init__(self, budget: int) -> None:
-        super().__init__(budget, protected=0)
+    def __init__(self, budget: int, **options) -> None:
+        super().__init__(budget, protected=0, **options)
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         # the latest query is the last key's: it sees every key

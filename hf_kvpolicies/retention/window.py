@@ -157,7 +157,7 @@ class RingRetention(Retention):
         ring = self.ring_capacity - self.sinks
         recent = torch.arange(max(0, steps - ring), steps)
         start = self._entry_next - self.sinks
-        self.slot_pos[self.sinks + (start + recent) % ring] = self._entry[0] + recent
+        self.slot_pos[self.sinks + (start + recent) % ring] = self.counts.entry[0] + recent
         self._next = self.sinks + (start + steps) % ring
 
     # --- internals ---------------------------------------------------------------------
