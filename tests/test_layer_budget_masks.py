@@ -59,7 +59,7 @@ def test_layers_of_different_sizes_keep_padded_rows_as_alone(name, implementatio
     """A left-padded batch of three gives each row its logits alone, pyramid budgets. (Adaptive
     budgets are shared by the rows of a batch, so a row's layer sizes depend on its batch.) KNorm
     generates a loop of one token here: its copies tie in key norm, and only exact ties (scores
-    rounded, :mod:`hf_kvpolicies.retention.knorm`) keep the batch from breaking them otherwise
+    rounded, :mod:`hf_kvpolicies.policies.knorm`) keep the batch from breaking them otherwise
     than the row alone (it differed by ~3e-3 in logits before)."""
     model = model_for(implementation)
     rows = [random_ids(1, n, seed=s) for n, s in [(24, 1), (17, 2), (11, 3)]]

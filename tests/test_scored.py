@@ -300,7 +300,7 @@ def test_snapkv_and_tova_receive_only_the_last_queries_they_read(make_model, one
 def test_knorm_scores_copies_of_a_key_alike_despite_fp32_noise():
     """Copies of one key differing in their last bits (as a projection of 3 rows and of 1 differ)
     score exactly alike, so the shared rule breaks their tie by age; distinct keys stay apart."""
-    from hf_kvpolicies.retention.knorm import KNormRetention, rounded
+    from hf_kvpolicies.policies.knorm import KNormRetention, rounded
     from hf_kvpolicies.retention.scored import Attended
 
     key = torch.randn(16, generator=torch.Generator().manual_seed(0))
