@@ -81,6 +81,7 @@ def test_sweep_writes_a_record_per_policy_and_task(sweep, tiny):
     assert all(0 <= c["score"] <= 1 for c in passkey["cells"])
     for name in ("summary.md", "summary.csv", "summary.tex", "recall.md", "perplexity.png", "memory.png", "latency.png", "frontier_passkey_streamed.png"):
         assert (out / name).stat().st_size > 0
+    assert not list(out.glob("*.lock")) and not (out / ".claims").exists()  # a finished run leaves no lock or claim
 
 
 def test_chunked_and_token_by_token_traces_sample_the_same_positions(tiny, tmp_path):

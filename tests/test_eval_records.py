@@ -36,7 +36,7 @@ def offline(monkeypatch):
     model = tiny_llama()
     monkeypatch.setattr(sweep_module, "_prepare", lambda settings, jobs, device, dtype: Bench(settings, model, None, None, "", []))
     monkeypatch.setattr(Perplexity, "run", made_up)
-    monkeypatch.setattr(report_writer, "plots", lambda table, out: [])
+    monkeypatch.setattr(report_writer, "plots", lambda table, out, style: [])
 
 
 def resume(out, warnings: list[str]) -> sweep_module.Sweep:

@@ -22,7 +22,7 @@ def sweep_records() -> list[dict]:
     for index, (policy, ppl, kv, acc, approx) in enumerate(
         [("full", 10.0, 8 * 2**20, 1.0, False), ("window:window=256", 15.0, 2**20, 0.5, False), ("h2o:heavy=2,recent=2", 12.5, 2**20, 0.75, True)]
     ):
-        records.append(record(policy, "perplexity", index, ppl=ppl, tokens=100, approximate=approx, curve_positions=[50, 99], curve_ppl=[ppl, ppl]))
+        records.append(record(policy, "perplexity", index, ppl=ppl, tokens=100, approximate=approx, curve_positions=[50, 99], curve_ppl=[ppl, ppl], held_bytes=kv))
         records.append(record(policy, "memory", index, held_bytes=kv, footprint_bytes=2 * kv, peak_memory_bytes=2 * kv, footprint_positions=[1, 99], footprint_trace=[2 * kv, 2 * kv], held_trace=[kv, kv]))
         records.append(record(policy, "speed", index, contexts=[64, 128], prefill_ms=[5.0, 10.0], median_ms=[2.0, 4.0 / (index + 1)], p90_ms=[3.0, 5.0], tokens_per_s=[500.0, 250.0 * (index + 1)]))
         for length in (64, 128):

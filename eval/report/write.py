@@ -8,6 +8,7 @@ from pathlib import Path
 from .plots import plots
 from .render import csv_text, latex, markdown
 from .sections import sections
+from .style import Style
 from .tables import details, tabulate
 
 
@@ -24,7 +25,8 @@ def write_report(out: Path, records: list[dict]) -> str:
     parts = sections(records)
     tables = [tabulate(section) for section in parts]
     detailed = [table for table in (tabulate(section, details) for section in parts) if table.columns]
-    pictures = [plots(table, out) for table in tables]
+    style = Style.of_records(records)  # one colour and marker per family in every figure of the report
+    pictures = [plots(table, out, style) for table in tables]
     texts = [markdown(table) for table in tables]
     if len(parts) > 1:
         texts = [

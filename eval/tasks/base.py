@@ -170,6 +170,8 @@ class Measure:
     """The record whose ``held_bytes`` and ``kept_fraction`` are that measure's memory."""
     interval: Callable[[Row], Interval | None] | None = None
     """The 95% interval the tables give for the value, drawn as error bars."""
+    protocol: str | None = None
+    """The protocol the measure's answers were given under (named in the plot's title)."""
 
 
 @dataclass(frozen=True)

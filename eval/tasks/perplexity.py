@@ -46,12 +46,23 @@ class Perplexity(StreamTask):
         if not any(row.record(self.name) for row in rows):
             return []
 
+        base = baseline(rows)
+        reference = base.record(self.name) if base is not None else None
+
         def points(row: Row):
             record = row.record(self.name)
             return None if record is None else (record["curve_positions"], record["curve_ppl"])
 
-        panel = Panel("perplexity per bin (log scale)", points, log=True, smooth=5)
-        return [Curves("perplexity", "streaming perplexity by position", "tokens", self.name, (panel,))]
+        def ratios(row: Row):
+            record = row.record(self.name)
+            if record is None or reference is None or record["curve_positions"] != reference["curve_positions"]:
+                return None
+            return record["curve_positions"], [mine / full for mine, full in zip(record["curve_ppl"], reference["curve_ppl"])]
+
+        panels = (Panel("perplexity per bin", points, log=True, smooth=5),)
+        if reference is not None:  # the policies' differences, which a shared band of perplexities hides
+            panels += (Panel("perplexity / the full cache's, bin by bin", ratios, log=True, smooth=5),)
+        return [Curves("perplexity", "streaming perplexity by position", "tokens", self.name, panels)]
 
 
 TASK = Perplexity()

@@ -72,7 +72,7 @@ class QA(Task):
 
     def measures(self, rows):
         return [
-            Measure(f"qa_f1_{protocol}", mean_of(cells), f"QA token F1, {protocol} (higher is better)", lambda row, p=protocol: row.record(self.name, p), interval_of(cells))
+            Measure(f"qa_f1_{protocol}", mean_of(cells), f"QA token F1, {protocol} (higher is better)", lambda row, p=protocol: row.record(self.name, p), interval_of(cells), protocol)
             for protocol in protocols_of(rows, self.accepts)
             for cells in [self._cells(protocol, "f1")]
         ]

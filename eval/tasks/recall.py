@@ -118,11 +118,13 @@ class Recall(Task):
             first = self._first(protocol)
             found.append(Measure(
                 f"recall_mean_{protocol}", mean_of(self.suite_cells(rows, protocol)),
-                f"recall suite mean, {protocol} (higher is better)", first, interval_of(self.suite_cells(rows, protocol)),
+                f"recall suite mean, {protocol} (higher is better)", first, interval_of(self.suite_cells(rows, protocol)), protocol,
             ))
             for task in sorted({task for row in rows for task, (_, p), _ in row.matching(self.accepts) if p == protocol}):
                 cells = self.suite_cells(rows, protocol, task)
-                found.append(Measure(f"{task}_{protocol}", mean_of(cells), f"{task} score, {protocol} (higher is better)", self._first(protocol, task), interval_of(cells)))
+                found.append(Measure(
+                    f"{task}_{protocol}", mean_of(cells), f"{task} score, {protocol} (higher is better)", self._first(protocol, task), interval_of(cells), protocol,
+                ))
         return found
 
     def caption(self, rows):
