@@ -79,16 +79,10 @@ def streaming_masks(cache: PolicyCache, query_length: int, model: PreTrainedMode
 
 def forward_ends(length: int, chunk: int, stops: Iterable[int] = ()) -> list[int]:
     """Where the forwards over ``length`` tokens end: every ``chunk`` tokens from the start and
-    from each stop, and at each stop. A lone token left before a stop joins the chunk before it:
-    after a one-token forward the retention's bookkeeping of positions is not ready for the next
-    chunk's mask (a window's ``key_positions`` then leaves that token out), so no lone token goes
-    between two chunks (stops one token apart would still make one)."""
+    from each stop, and at each stop."""
     ends, start = [], 0
     for mark in sorted({*(stop for stop in stops if 0 < stop < length), length}):
-        cuts = [*range(start + chunk, mark, chunk), mark]
-        if mark < length and len(cuts) > 1 and cuts[-1] - cuts[-2] == 1:
-            del cuts[-2]
-        ends += cuts
+        ends += [*range(start + chunk, mark, chunk), mark]
         start = mark
     return ends
 

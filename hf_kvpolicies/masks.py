@@ -47,11 +47,13 @@ def check_mask_format(implementation: str, cache_name: str) -> None:
 def masks_by_layer_type(layers: Sequence[Any], allowed: Callable[[Any], torch.Tensor], implementation: str, dtype: torch.dtype):
     """``allowed(retention)`` (bool, 4-D) of the first layer of each layer type, in the format of
     ``implementation``: one mask, or ``{layer_type: mask}`` for models that mix sliding and full
-    attention layers (the layers of one type keep alike, so one mask serves them all)."""
+    attention layers (the layers of one type keep alike, so one mask serves them all). Each layer's
+    host bookkeeping is brought up to date first (after static decode steps it lags the device)."""
     masks: dict[str, torch.Tensor] = {}
     for layer in layers:
         layer_type = "sliding_attention" if layer.is_sliding else "full_attention"
         if layer_type not in masks:
+            layer.host_state()
             masks[layer_type] = to_attention_format(allowed(layer.retention), implementation, dtype)
     return masks if len(masks) > 1 else next(iter(masks.values()))
 

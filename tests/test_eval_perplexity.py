@@ -107,12 +107,13 @@ def test_curve_is_windowed_perplexity_by_position():
 @pytest.mark.parametrize("spec", ["window:window=16", "sink:sink_tokens=4,window=12,positions=absolute"])
 def test_a_forward_ends_at_every_stop_and_the_result_stays_exact(spec):
     """Stops every 3 tokens inside chunks of 50: the stream is cut where the memory trace samples,
-    and every NLL stays the token-by-token one (no lone token between two chunks)."""
+    and every NLL stays the token-by-token one (a lone token between two chunks included: the
+    next chunk's mask reads the window's bookkeeping after that token's static step)."""
     model, ids = tiny_llama(), random_ids(1, 120)
     ends = [(start, end) for start, end, _ in feed(model, ids, from_spec(model, spec), 50, stops=[1, 7, 50, 300])]
     assert ends == [(0, 1), (1, 7), (7, 50), (50, 100), (100, 120)]
     assert forward_ends(300, 50) == [50, 100, 150, 200, 250, 300] and forward_ends(257, 256) == [256, 257]
-    assert forward_ends(120, 50, [51]) == [51, 101, 120]  # not 50 and a lone 51st token before a chunk
+    assert forward_ends(120, 50, [51]) == [50, 51, 101, 120]  # a lone 51st token between two chunks
     one = streaming_nll(model, ids, from_spec(model, spec), chunk_size=1)
     for stops in (range(1, 119, 3), [49], [51], [20, 30]):
         stopped = streaming_nll(model, ids, from_spec(model, spec), chunk_size=50, stops=stops)

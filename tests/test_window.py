@@ -107,3 +107,24 @@ def test_spec_builds_the_window_and_rejects_bad_values():
         from_spec(model, "window:window=0")
     with pytest.raises(ValueError, match="window"):
         from_spec(model, "window:window=big")
+
+
+def test_a_chunk_after_a_static_decode_step_gets_the_streamed_mask():
+    """After a one-token forward (a static step: the host bookkeeping lags the device), the next
+    chunk's streaming mask still shows each query what token-by-token streaming shows it."""
+    from eval.stream import streaming_masks
+
+    model, ids = tiny_llama(), random_ids(1, 60)
+
+    def run(schedule):
+        cache, logits, start = SlidingWindowCache(model, window=16), [], 0
+        with torch.no_grad():
+            for n in schedule:
+                mask = streaming_masks(cache, n, model) if n > 1 else None
+                logits.append(model(ids[:, start : start + n], attention_mask=mask, cache=cache).logits)
+                start += n
+        return torch.cat(logits, 1)
+
+    one_by_one = run([1] * 60)
+    for schedule in ([20, 1, 20, 19], [30, 1, 1, 28]):
+        torch.testing.assert_close(run(schedule), one_by_one, atol=1e-5, rtol=0)
