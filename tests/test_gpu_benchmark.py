@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -33,3 +35,29 @@ def test_tiny_run_times_every_contender_at_every_context(capsys):
                 if name == "kvzip" and "tokenizer" in cells[label, context]:
                     continue  # a random-weight model has no tokenizer for KVzip's repeat prompt: refused, said so
                 assert float(cells[label, context]) > 0, label
+
+
+def test_the_operation_count_covers_every_policy_and_storage_and_scales_per_layer():
+    """Counts are exact and machine-independent: every layer adds the same operations, so a count is
+    linear in the layers (what a cache adds per layer is a property of the cache); the table lists
+    DynamicCache and every policy x storage."""
+    from tiny_models import random_ids, tiny_llama
+
+    from eval.benchmarks import ops
+    from hf_kvpolicies import available_storages
+    from hf_kvpolicies.specs import policy_constructor
+
+    ids = random_ids(1, 64)
+    counts = {}
+    for layers in (2, 3, 4):
+        rows = ops.count(tiny_llama(num_hidden_layers=layers), ids, 40, 16, ["full", "window", "h2o"])
+        counts[layers] = {row.label: row.operations for row in rows}
+    for label in counts[2]:
+        assert counts[4][label] - counts[3][label] == counts[3][label] - counts[2][label] > 0, label
+    per_layer = {label: counts[3][label] - counts[2][label] - (counts[3]["DynamicCache"] - counts[2]["DynamicCache"]) for label in counts[2]}
+    assert 0 < per_layer["full"] < per_layer["h2o:heavy=8,recent=8"]  # a scored step does more than an append
+    storages = lambda name: len(available_storages()) if "storage" in inspect.signature(policy_constructor(name)).parameters else 1  # noqa: E731
+    labels = [label for label, _ in ops.contenders(16)]
+    assert labels[0] == "DynamicCache" and len(labels) == 1 + sum(storages(name) for name in available_policies())
+    table = ops.table([ops.Count("DynamicCache", 100), ops.Count("full", 114)], layers=2, context=40)
+    assert table.splitlines()[-1] == "| full | 114 | 1.14x | +7.0 |"

@@ -14,6 +14,8 @@ caches that keep every token, full and FP8, pre-sized with ``max_length`` as ``S
 is synchronised step by step; memory is ``torch.cuda.max_memory_allocated`` above the weights.
 Ratios are to ``DynamicCache`` and to compiled ``StaticCache`` at the same context.
 
+Before the timings, each shape's table of aten operations per eager decode step
+(:mod:`eval.benchmarks.ops`): the launches compiling removes, counted, so a CPU run shows them too.
 Without CUDA (and without ``--device cpu``) it says so in one line and exits 0. ``--max-minutes``
 (default 8) stops starting new measurements once the time is spent and lists what was skipped.
 """
@@ -46,6 +48,7 @@ from hf_kvpolicies.specs import policy_constructor
 
 from ..budgets import expand
 from ..speed import prefill, synchronize
+from . import ops
 
 SHAPES: dict[str, Callable[[], PreTrainedModel]] = {
     "llama3-8b": lambda: LlamaForCausalLM(
@@ -151,6 +154,9 @@ def measure(args: argparse.Namespace, shape: str, deadline: float, skipped: list
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, max(args.contexts) + 1), device=device)
     policies = args.policies or [name for name in available_policies()]
+    context = min(args.contexts)  # the launch budget first: a count, the same on every machine
+    counts = ops.count(model, ids, context, min(args.budgets), policies)
+    print(f"**{shape}: aten operations per eager decode step**\n\n{ops.table(counts, model.config.num_hidden_layers, context)}\n", flush=True)
     rows = []
     for context in args.contexts:
         for label, make in contenders(policies, args.budgets):

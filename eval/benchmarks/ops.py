@@ -1,0 +1,116 @@
+"""Operations a decode step launches, per policy x storage (``python -m eval.benchmarks.ops``).
+
+On a GPU, small-batch decoding runs eager and is bound by kernel launches: every aten operation a
+cache adds to a layer's decode step is paid in every layer, at every token. This counts the aten
+operations dispatched by one eager decode step (a ``TorchDispatchMode`` counter) after a prompt
+of ``--context`` tokens, for ``DynamicCache`` and every registered policy at ``--budget`` in each
+storage, and the operations each adds per layer. A count does not depend on the machine, so a
+CPU run shows the launch budget a GPU will pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from hf_kvpolicies import available_policies, available_storages, from_spec
+from hf_kvpolicies.specs import policy_constructor
+
+from ..budgets import expand
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def operations_per_step(model: PreTrainedModel, cache: Cache, ids: torch.Tensor, context: int) -> int:
+    """Aten operations of one eager decode step after ``context`` prompt tokens and one decode step
+    (so that the counted step is a steady one: a bounded policy is full and evicting)."""
+    model(ids[:, :context], cache=cache, use_cache=True)
+    model(ids[:, context : context + 1], cache=cache, use_cache=True)
+    with OperationCounter() as counter:
+        model(ids[:, context + 1 : context + 2], cache=cache, use_cache=True)
+    return counter.count
+
+
+@dataclass(frozen=True)
+class Count:
+    label: str
+    operations: int
+
+
+def contenders(budget: int, policies: list[str] | None = None) -> list[tuple[str, Callable[[PreTrainedModel], Cache]]]:
+    """DynamicCache, then every policy at ``budget`` (as the sweep builds it) in every storage it takes."""
+    made: list[tuple[str, Callable[[PreTrainedModel], Cache]]] = [
+        ("DynamicCache", lambda model: DynamicCache(config=model.config))
+    ]
+    for name in policies or available_policies():
+        takes_storage = "storage" in inspect.signature(policy_constructor(name)).parameters
+        for storage in available_storages() if takes_storage else ["native"]:
+            spec = name if storage == "native" else f"{name}:storage={storage}"
+            [run] = expand([spec], (budget,))
+            built = run.spec(budget)
+            made.append((built, lambda model, built=built: from_spec(model, built)))
+    return made
+
+
+def count(model: PreTrainedModel, ids: torch.Tensor, context: int, budget: int, policies: list[str] | None = None) -> list[Count]:
+    rows = []
+    for label, make in contenders(budget, policies):
+        try:
+            cache = make(model)
+        except ValueError:  # a policy that cannot serve this model (it says why at construction)
+            continue
+        rows.append(Count(label, operations_per_step(model, cache, ids, context)))
+    return rows
+
+
+def table(rows: list[Count], layers: int, context: int) -> str:
+    """Markdown: operations per step, the ratio to DynamicCache and what each adds per layer."""
+    base = rows[0].operations
+    lines = [
+        f"| cache ({context}-token context) | ops / step | vs DynamicCache | added per layer |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.label} | {row.operations:,} | {row.operations / base:.2f}x | {(row.operations - base) / layers:+.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf_kvpolicies.models import load_model
+
+    from ..data import embedded_text, tokenize
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=600)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--policies", nargs="*", help="registered policy names (default: all)")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    ids = tokenize(tokenizer, embedded_text(), args.context + 2)
+    print(table(count(model, ids, args.context, args.budget, args.policies), model.config.num_hidden_layers, args.context))
+    print(f"\nmodel {args.model}, budget {args.budget}, eager decode step, torch {torch.__version__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
