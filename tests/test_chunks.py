@@ -191,3 +191,20 @@ def test_specs_sweep_the_budget_and_keep_the_chunk():
     built = named.make(model)
     assert "chunk=16" in named.label and (built.budget, built.chunk) == (64, 16)
     assert from_spec(model, "snapkv:budget=64").chunk == 1  # off by default
+
+
+def test_beams_reorder_the_rows_chunks(one_thread):
+    """Beam search reorders each row's first real position with its chunks; a budget covering the
+    sequence keeps every token, so beams equal the full cache's."""
+    from helpers import greedy
+
+    from hf_kvpolicies import FullCache
+
+    model = peaked(tiny_llama(), factor=8.0)
+    ids = random_ids(1, 10, seed=3)
+    wide = from_spec(model, "snapkv:budget=60,window=4,kernel=3,chunk=8")
+    assert torch.equal(greedy(model, ids, wide, 16, num_beams=2), greedy(model, ids, FullCache(model), 16, num_beams=2))
+    cache = from_spec(model, "keydiff:budget=8,recent=2,chunk=3")
+    assert greedy(model, ids, cache, 16, num_beams=3).shape == (1, 26)
+    retention = cache.layers[1].retention
+    assert retention.kept_positions().shape == (3, 2, 8) and retention.row_start.shape == (3, 1, 1)
