@@ -1,7 +1,7 @@
 """hf-kvpolicies: pluggable KV-cache policies for Hugging Face Transformers.
 
 Two independent axes: *retention* (which tokens stay: full, window, sink, and the scored
-evictions H2O, SnapKV, TOVA, key norm, KVzip) and *storage* (how they are held: native dtype,
+evictions H2O, SnapKV, TOVA, key norm, KVzip, Expected Attention, KeyDiff) and *storage* (how they are held: native dtype,
 fp8). Every policy is a ``transformers.Cache``:
 
     cache = from_spec(model, "window:window=256")
@@ -10,8 +10,10 @@ fp8). Every policy is a ``transformers.Cache``:
 
 from .cache import PolicyCache, PolicyLayer
 from .policies import FullCache, SlidingWindowCache
+from .policies.expected_attention import ExpectedAttentionCache
 from .policies.fp8 import FP8Cache
 from .policies.h2o import H2OCache
+from .policies.keydiff import KeyDiffCache
 from .policies.knorm import KNormCache
 from .policies.kvzip import KVzipCache
 from .policies.scored import ScoredCache
@@ -30,12 +32,16 @@ register_policy("sink", SinkCache)
 register_policy("snapkv", SnapKVCache)
 register_policy("tova", TOVACache)
 register_policy("knorm", KNormCache)
+register_policy("expected_attention", ExpectedAttentionCache)
+register_policy("keydiff", KeyDiffCache)
 
 __all__ = [
+    "ExpectedAttentionCache",
     "FP8Cache",
     "FP8Storage",
     "FullCache",
     "H2OCache",
+    "KeyDiffCache",
     "KNormCache",
     "KVzipCache",
     "PolicyCache",

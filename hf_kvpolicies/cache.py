@@ -412,6 +412,10 @@ class PolicyCache(Cache):
         (``hooks.ALL_QUERIES``: all of them; ``None``: none)."""
         return self.layers[layer_idx].retention.query_rows_wanted()
 
+    def queries_before_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s policy reads the queries before their rotation."""
+        return self.layers[layer_idx].retention.queries_before_rope
+
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         self.forward.queries[layer_idx] = (query, scaling)
 

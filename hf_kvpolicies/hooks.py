@@ -9,11 +9,12 @@ cache's own methods (:class:`ForwardParticipant`):
   names the model instance), which may return the attention mask to use instead (the exact mask
   of a padded batch);
 * one pre-hook per attention module: ``layer_mask(layer_idx)`` (a layer's own mask where layers
-  keep different numbers of keys) and ``query_rows(layer_idx)`` (whether, and how many of, this
-  forward's queries the layer's policy reads);
+  keep different numbers of keys), ``query_rows(layer_idx)`` (whether, and how many of, this
+  forward's queries the layer's policy reads) and ``queries_before_rope(layer_idx)`` (whether it
+  reads them before their rotation);
 * a forward hook on each attention module's ``q_proj``: the query rebuilt as the module builds it
-  (``rope(q_norm(q_proj(x)))``, from the projection it has just computed) and handed over with
-  ``receive_query(layer_idx, query, scaling)``;
+  (``rope(q_norm(q_proj(x)))``, or ``q_norm(q_proj(x))`` before the rotation, from the projection
+  it has just computed) and handed over with ``receive_query(layer_idx, query, scaling)``;
 * a decoder forward hook: ``after_forward()``.
 
 Any other cache (``DynamicCache``, a cache given to another model) meets hooks that return after
@@ -49,6 +50,7 @@ class ForwardParticipant(Protocol):
     def before_forward(self, token: str, inputs: torch.Tensor, attention_mask: Any, config: Any, dtype: torch.dtype) -> Any: ...
     def layer_mask(self, layer_idx: int) -> torch.Tensor | None: ...
     def query_rows(self, layer_idx: int) -> int | None: ...
+    def queries_before_rope(self, layer_idx: int) -> bool: ...
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None: ...
     def after_forward(self) -> None: ...
 
@@ -140,19 +142,23 @@ class _AttentionTap:
         self.rope: Rope | None = None  # set once queries are served
         self.rows: int | None = None
         self.position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The rotation of this forward's queries; ``None`` where the policy reads them before it."""
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-        """Arm the query hook if the layer's policy reads queries; swap in the layer's own mask."""
+        """Arm the query hook if the layer's policy reads queries; swap in the layer's own mask. A
+        policy that reads the queries before their rotation computes no attention probabilities, so
+        any attention kernel serves it."""
         cache = self.dispatcher.current
-        self.rows = None
+        self.rows, self.position_embeddings = None, None
         if cache is None:
             return None
         layer = module.layer_idx
         rows = cache.query_rows(layer) if self.rope is not None else None
         if rows is not None:
-            check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
             self.rows = rows
-            self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            if not cache.queries_before_rope(layer):
+                check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
+                self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         mask = cache.layer_mask(layer)
         if mask is None:
             return None
@@ -166,23 +172,26 @@ class _AttentionTap:
         if rows is None:
             return
         module = self.module
-        (cos, sin), self.position_embeddings = self.position_embeddings, None
+        rotation, self.position_embeddings = self.position_embeddings, None
         if rows != ALL_QUERIES and rows < projected.shape[1]:
-            projected, cos, sin = projected[:, -rows:], cos[:, -rows:], sin[:, -rows:]
-        self.dispatcher.current.receive_query(module.layer_idx, rebuilt_query(module, projected, cos, sin, self.rope), module.scaling)
+            projected = projected[:, -rows:]
+            rotation = None if rotation is None else tuple(t[:, -rows:] for t in rotation)
+        query = query_before_rope(module, projected)
+        if rotation is not None:
+            query, _ = self.rope(query, query[:, :0], *rotation)  # the rotation takes a key too: an empty one
+        self.dispatcher.current.receive_query(module.layer_idx, query, module.scaling)
 
 
-def rebuilt_query(module: nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """``[batch, heads, q, head_dim]``: the query ``module`` attends with, from its ``q_proj`` output."""
+def query_before_rope(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, q, head_dim]``: the query of ``module`` before its rotation, ``q_norm(q_proj(x))``,
+    from its ``q_proj`` output (the module rotates it with ``apply_rotary_pos_emb`` next)."""
     norm = getattr(module, "q_norm", None)
     if norm is not None and norm.weight.numel() != module.head_dim:  # over all heads (Olmo 2), before the split
         projected = norm(projected)
     query = projected.view(*projected.shape[:-1], -1, module.head_dim)
     if norm is not None and norm.weight.numel() == module.head_dim:  # per head (Qwen 3, Gemma 3)
         query = norm(query)
-    query = query.transpose(1, 2)
-    query, _ = rope(query, query[:, :0], cos, sin)  # the rotation takes a key too: an empty one
-    return query
+    return query.transpose(1, 2)
 
 
 # --- installing ------------------------------------------------------------------------------

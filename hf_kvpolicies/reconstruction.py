@@ -164,6 +164,9 @@ class ReplayCache(Cache):
     def query_rows(self, layer_idx: int) -> int:
         return hooks.ALL_QUERIES
 
+    def queries_before_rope(self, layer_idx: int) -> bool:
+        return False
+
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         self.queries[layer_idx] = (query, scaling)
 

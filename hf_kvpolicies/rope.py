@@ -10,6 +10,11 @@ Everything is read from the model's rotary module, not re-derived from the confi
 (its length is half the rotated dims) and the scaling type (linear, llama3, YaRN,
 proportional), exactly as the model applies them. The rotation layout (halves as in Llama, or
 interleaved pairs as in GLM and Cohere) is probed from the model's own ``rotate_half``.
+
+A query that will stand at one of the positions ``a, ..., a + n - 1`` is rotated, on average, by
+the mean of the model's rotations there (:meth:`Rotary.mean_rotation_transposed`): per frequency
+the mean of ``cos`` and ``sin`` over the window has a closed form (a geometric sum), and the mean
+rotation's transpose is applied to the keys instead of the queries' ``d x d`` statistics.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ frequencies cannot be moved by a rotation computed from another."""
 class Rotary:
     """The rotation a model applies to the first ``rotary_dim`` dims of each key head."""
 
-    def __init__(self, inv_freq: torch.Tensor, interleaved: bool) -> None:
+    def __init__(self, inv_freq: torch.Tensor, interleaved: bool, attention_scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
         self.interleaved = interleaved
+        self.attention_scaling = float(attention_scaling)
+        """What the model folds into its cos and sin (YaRN, LongRoPE): a re-rotation never applies it
+        (the stored key carries it already); the model's rotation of a query, averaged, does."""
         self._memo: tuple[tuple, torch.Tensor] | None = None
         self._freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copies on devices, made eagerly
+        self._window_on: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
 
     @property
     def rotary_dim(self) -> int:
@@ -94,6 +103,41 @@ class Rotary:
             keys = keys.to(work)
         return keys @ self.matrix(offset, keys.shape[-1], work, keys.device)
 
+    def mean_rotation_transposed(self, vectors: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+        """``R^T v`` for ``vectors`` ``[batch, heads, n, head_dim]``, where ``R`` is the mean, over the
+        positions ``start[b], ..., start[b] + count - 1`` of each row, of the model's rotation
+        ``s (diag(cos) + diag(sin) P)`` (``P`` its ``rotate_half``, ``s`` its attention scaling):
+        ``(R m) . v = m . (R^T v)``, so the mean rotation of a query statistic ``m`` is applied to
+        the keys instead, in ``O(head_dim)`` per key. ``start``: ``LongTensor[batch]`` on the
+        vectors' device (nothing is read back). The dims past ``rotary_dim`` pass unchanged."""
+        cos, sin = self._mean_cos_sin(start, count)
+        dim = self.rotary_dim
+        rotated = vectors[..., :dim].float()
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        out = rotated * cos - rotate_half(rotated * sin, self.interleaved)
+        return out if dim == vectors.shape[-1] else torch.cat([out, vectors[..., dim:].float()], dim=-1)
+
+    def _mean_cos_sin(self, start: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, rotary_dim]`` fp32 means of the scaled cos and sin over each row's window, in the
+        model's layout. Per frequency ``t``, ``sum_k exp(i (a + k) t) = exp(i (a + (count - 1) / 2) t)
+        sin(count t / 2) / sin(t / 2)``: one angle per frequency at the window's centre, times a
+        spread factor that depends on ``count`` alone (float64 angles, exact at any position)."""
+        freq, phase, spread = self._window(start.device, count)
+        centre = torch.addcmul(phase, start.to(torch.float64)[:, None], freq)
+        return (centre.cos() * spread).float(), (centre.sin() * spread).float()
+
+    def _window(self, device: torch.device, count: int) -> tuple[torch.Tensor, ...]:
+        """Per rotated dim (the model's layout), float64: the frequency ``t``, the window's centre
+        offset ``(count - 1) t / 2``, and ``s sin(count t / 2) / (count sin(t / 2))`` (``s`` where
+        ``t`` is 0); made once per device and window, eagerly (as :meth:`on_device`)."""
+        key = (device, count)
+        if key not in self._window_on:
+            freq = self.inv_freq.repeat_interleave(2) if self.interleaved else self.inv_freq.repeat(2)
+            half = freq / 2
+            spread = torch.where(half.sin() == 0, 1.0, (count * half).sin() / (count * half.sin()))
+            self._window_on[key] = tuple(t.to(device) for t in (freq, freq * (count - 1) / 2, spread * self.attention_scaling))
+        return self._window_on[key]
+
 
 
 def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -104,36 +148,38 @@ def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def rotary_of(model: nn.Module, layer_type: str = "full_attention") -> Rotary:
-    """The rotation that ``model`` applies to the keys of its ``layer_type`` layers.
+RE_ROTATION = ("positions='cache' re-rotates keys", "use positions='absolute', which keeps the keys as the model rotated them")
+"""Who needs the rotation, and the fix where a model cannot give it: the sinks' re-rotation (the default)."""
 
-    Raises ``ValueError`` when keys cannot be re-rotated: no RoPE, length-dependent frequencies
-    (dynamic NTK, LongRoPE), multi-axis RoPE, or rotary dims that are not the leading ones (MLA).
+
+def rotary_of(model: nn.Module, layer_type: str = "full_attention", need: tuple[str, str] = RE_ROTATION) -> Rotary:
+    """The rotation that ``model`` applies to the keys and queries of its ``layer_type`` layers.
+
+    Raises ``ValueError`` when it cannot be read as one rotation per position: no RoPE,
+    length-dependent frequencies (dynamic NTK, LongRoPE), multi-axis RoPE, or rotary dims that are
+    not the leading ones (MLA). ``need``: what the caller does with it and the fix to name
+    (:data:`RE_ROTATION` by default).
     """
     config = text_config(model)
     name = getattr(config, "model_type", type(model).__name__)
-    fix = "use positions='absolute', which keeps the keys as the model rotated them"
+    purpose, fix = need
     module = _rotary_module(model)
     if module is None:
-        raise ValueError(
-            f"positions='cache' re-rotates keys with RoPE, but {name} has no rotary position embedding; {fix}"
-        )
+        raise ValueError(f"{purpose} with RoPE, but {name} has no rotary position embedding; {fix}")
     rope_type = getattr(module, "rope_type", None) or "default"
     per_type = isinstance(rope_type, dict)
     if per_type:
         rope_type = rope_type.get(layer_type) or "default"
     if any(kind in rope_type for kind in LENGTH_DEPENDENT_TYPES):
         raise ValueError(
-            f"positions='cache' cannot re-rotate keys under {name}'s rope_type={rope_type!r}: its frequencies "
+            f"{purpose} with RoPE, which {name}'s rope_type={rope_type!r} cannot give: its frequencies "
             f"change with the sequence length; {fix}"
         )
     parameters = getattr(config, "rope_parameters", None) or {}
     if per_type:
         parameters = parameters.get(layer_type) or {}
     if "mrope_section" in parameters or rope_type == "axial" or getattr(config, "qk_rope_head_dim", None):
-        raise ValueError(
-            f"positions='cache' supports one-axis RoPE on the leading key dims; {name} uses another layout; {fix}"
-        )
+        raise ValueError(f"{purpose} with one-axis RoPE on the leading dims; {name} uses another layout; {fix}")
     inv_freq = getattr(module, f"{layer_type}_inv_freq" if per_type else "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
         raise ValueError(
@@ -142,7 +188,8 @@ def rotary_of(model: nn.Module, layer_type: str = "full_attention") -> Rotary:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"{name}'s rotary frequencies cover more than its head dim {head_dim}; {fix}")
-    return Rotary(inv_freq, _interleaved(module, name, fix))
+    scaling = getattr(module, f"{layer_type}_attention_scaling" if per_type else "attention_scaling", 1.0)
+    return Rotary(inv_freq, _interleaved(module, name, fix), scaling)
 
 
 def _rotary_module(model: nn.Module) -> nn.Module | None:

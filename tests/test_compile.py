@@ -17,9 +17,11 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from hf_kvpolicies import (
+    ExpectedAttentionCache,
     FP8Cache,
     FullCache,
     H2OCache,
+    KeyDiffCache,
     KNormCache,
     KVzipCache,
     SinkCache,
@@ -41,6 +43,9 @@ POLICIES = {
     "snapkv": lambda model, storage: SnapKVCache(model, budget=8, window=3, kernel=3, storage=storage),
     "tova": lambda model, storage: TOVACache(model, budget=8, storage=storage),
     "knorm": lambda model, storage: KNormCache(model, budget=8, recent=2, storage=storage),
+    "keydiff": lambda model, storage: KeyDiffCache(model, budget=8, recent=2, storage=storage),
+    "expected_attention": lambda model, storage: ExpectedAttentionCache(model, budget=8, sinks=2, storage=storage),
+    "snapkv-chunk": lambda model, storage: SnapKVCache(model, budget=8, window=2, kernel=3, chunk=3, storage=storage),
     "kvzip": lambda model, storage: KVzipCache(
         model, budget=8, recent=2, layer_budgets="uniform", head_budgets="uniform", tokenizer=char_tokenizer(), storage=storage
     ),

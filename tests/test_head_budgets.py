@@ -34,7 +34,7 @@ class H2ORule:
     def __init__(self, heavy: int, recent: int):
         self.budget, self.protected = heavy + recent, recent
 
-    def observe(self, state, attention, keys, start, stop):
+    def observe(self, state, attention, keys, values, start, stop):
         state["sum"] = state.get("sum", 0) + attention.sum(dim=(2, 3))
 
     def selection(self, state, stop, b, h, candidates):
@@ -78,7 +78,9 @@ def naive_pooled(model, ids: torch.Tensor, chunks: list[int], rule):
                 attention[..., :stop] = out.attentions[i].view(batch, kv_heads, groups, length, stop)
                 keys = torch.zeros(batch, kv_heads, total, cache.layers[i].keys.shape[-1])
                 keys[:, :, :stop] = cache.layers[i].keys
-                rule.observe(state[i], attention, keys, start, stop)
+                values = torch.zeros(batch, kv_heads, total, cache.layers[i].values.shape[-1])
+                values[:, :, :stop] = cache.layers[i].values
+                rule.observe(state[i], attention, keys, values, start, stop)
                 for b in range(batch):
                     kept[i][b] = pooled_keep(rule, state[i], kept[i][b], start, stop, b, trim=forward == 0 or length > 1)
             kept_log.append({i: kept[i] for i in layers})

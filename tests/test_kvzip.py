@@ -32,7 +32,7 @@ class KVzipRule:
         self.first = iter(reconstruction)
         self.protected_from = 0
 
-    def observe(self, state, attention, keys, start, stop):
+    def observe(self, state, attention, keys, values, start, stop):
         if start == 0:
             self.protected_from = stop  # the prompt's tokens are ranked by their reconstruction alone
             scores = next(self.first)
@@ -83,7 +83,7 @@ def test_matches_naive_reference(model_name, schedule, chunk, sinks, one_thread)
     model = peaked(MODELS[model_name](), factor=8.0)
     chunks = SCHEDULES[schedule]
     cache = KVzipCache(
-        model, budget=BUDGET, recent=RECENT, sinks=sinks, layer_budgets="uniform", head_budgets="uniform", chunk=chunk, tokenizer=TOKENIZER
+        model, budget=BUDGET, recent=RECENT, sinks=sinks, layer_budgets="uniform", head_budgets="uniform", replay_chunk=chunk, tokenizer=TOKENIZER
     )
     logits, kept = run_schedule(model, random_ids(1, sum(chunks), seed=5), chunks, cache)
     for step, (got, want) in enumerate(zip(kept, expected_kept)):
@@ -146,7 +146,8 @@ def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
     with torch.no_grad():
         model(random_ids(2, 120), cache=cache)
     slots, batch, heads = BUDGET + 1, 2, 2
-    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8
+    # keys and values, each slot's position and score, each head's free slot, each row's first real position
+    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8
     assert cache.get_memory_footprint() == 2 * per_layer
     assert all(layer.retention.pending is None for layer in cache.layers)  # the 120-token prompt is freed
     assert cache.get_seq_length() == 120 and cache.kept_tokens() == BUDGET  # no reconstruction token counted
@@ -199,7 +200,7 @@ def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path)).eval()
-    cache = from_spec(model, "kvzip:budget=12,recent=2,layer_budgets=pyramid,chunk=16")
+    cache = from_spec(model, "kvzip:budget=12,recent=2,layer_budgets=pyramid,replay_chunk=16")
     assert cache.prompt.first == KVzipCache(model, tokenizer=TOKENIZER).prompt.first
     assert KVzipCache.budget_parameters(64) == {"budget": 64, "recent": 8, "sinks": 4}
     assert KVzipCache.budget_parameters(8) == {"budget": 8, "recent": 4, "sinks": 2}
@@ -216,6 +217,7 @@ def test_spec_finds_the_saved_tokenizer(tmp_path, one_thread):
         ({"budget": 8, "recent": 4, "sinks": 4}, "recent=4 plus sinks=4 must be below budget=8: .*lower recent or sinks"),
         ({"recent": -1}, "recent must be"),
         ({"sinks": -1}, "sinks must be"),
+        ({"replay_chunk": 0}, "replay_chunk must be"),
         ({"chunk": 0}, "chunk must be"),
         ({"layer_budgets": "even"}, "layer_budgets"),
     ],

@@ -71,6 +71,23 @@ def test_rotation_by_d_equals_the_model_rotating_at_p_plus_d(name):
     torch.testing.assert_close(rotary.rotate(stored, per_row), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_mean_rotation_over_a_window_is_the_mean_of_the_models_rotations(name):
+    """``m . (R^T k)`` equals the mean over the window of the model's own rotation of ``m``, dotted
+    with ``k``: layout, partial rotary and attention scaling (YaRN) included, per row's window."""
+    model = VARIANTS[name]()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(1)
+    means, keys = torch.randn(3, 2, 1, head_dim, generator=generator), torch.randn(3, 2, 5, head_dim, generator=generator)
+    start, count = torch.tensor([0, 7, 300]), 40
+    positions = start[:, None] + torch.arange(count)
+    rotated = model_rotation(model, means.expand(3, 2, count, head_dim), positions, "full_attention").mean(dim=2)
+    expected = torch.einsum("bhd,bhkd->bhk", rotated, keys)
+    got = torch.einsum("bhd,bhkd->bhk", means[:, :, 0], rotary_of(model).mean_rotation_transposed(keys, start, count))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_frequencies_follow_theta_head_dim_and_partial_rotary():
     llama = rotary_of(VARIANTS["llama default"]())
     head_dim = COMMON["hidden_size"] // COMMON["num_attention_heads"]

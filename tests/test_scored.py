@@ -32,7 +32,7 @@ class SnapKVRule:
         self.budget, self.window, self.kernel, self.pooling = budget, window, kernel, pooling
         self.protected = window
 
-    def observe(self, state, attention, keys, start, stop):
+    def observe(self, state, attention, keys, values, start, stop):
         state.setdefault("rows", {})
         for i, query in enumerate(range(start, stop)):
             state["rows"][query] = attention[:, :, :, i].sum(2)  # [batch, kv_heads, total]
@@ -59,7 +59,7 @@ class TOVARule:
     def __init__(self, budget: int):
         self.budget, self.protected = budget, 0
 
-    def observe(self, state, attention, keys, start, stop):
+    def observe(self, state, attention, keys, values, start, stop):
         state["last"] = attention[:, :, :, -1].mean(2)
 
     def selection(self, state, stop, b, h, candidates):
@@ -73,7 +73,7 @@ class KNormRule:
     def __init__(self, budget: int, recent: int):
         self.budget, self.protected = budget, recent
 
-    def observe(self, state, attention, keys, start, stop):
+    def observe(self, state, attention, keys, values, start, stop):
         state["norm"] = keys.norm(dim=-1).reciprocal()
 
     def selection(self, state, stop, b, h, candidates):
@@ -96,7 +96,12 @@ def is_protected(rule, position: int, stop: int) -> bool:
 
 @torch.no_grad()
 def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
-    """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions."""
+    """Logits of every position and, after each forward, ``{layer: [batch, kv_heads, kept]}`` positions.
+
+    After each forward, for each full layer in order, ``rule.observe(state, attention, keys, values,
+    start, stop)`` sees the forward's attention weights ``[batch, kv_heads, groups, stop - start,
+    total]`` over absolute positions and every key and value so far (zeros past ``stop``);
+    ``rule.selection(state, stop, b, h, candidates)`` ranks a row's and head's candidates."""
     batch, total = ids.shape
     kv_heads = model.config.num_key_value_heads
     groups = model.config.num_attention_heads // kv_heads
@@ -122,7 +127,9 @@ def naive_eviction(model, ids: torch.Tensor, chunks: list[int], rule):
                     attention[b, h, :, :, columns] = weights[b, h]
             keys = torch.zeros(batch, kv_heads, total, history[i][0].shape[-1])
             keys[:, :, :stop] = history[i][0]
-            rule.observe(state[i], attention, keys, start, stop)
+            values = torch.zeros(batch, kv_heads, total, history[i][1].shape[-1])
+            values[:, :, :stop] = history[i][1]
+            rule.observe(state[i], attention, keys, values, start, stop)
             for b in range(batch):
                 for h in range(kv_heads):
                     before = kept[i][b][h]
@@ -300,8 +307,8 @@ def test_snapkv_and_tova_receive_only_the_last_queries_they_read(make_model, one
 def test_knorm_scores_copies_of_a_key_alike_despite_fp32_noise():
     """Copies of one key differing in their last bits (as a projection of 3 rows and of 1 differ)
     score exactly alike, so the shared rule breaks their tie by age; distinct keys stay apart."""
-    from hf_kvpolicies.policies.knorm import KNormRetention, rounded
-    from hf_kvpolicies.retention.scored import Attended
+    from hf_kvpolicies.policies.knorm import KNormRetention
+    from hf_kvpolicies.retention.scoring import Attended, rounded
 
     key = torch.randn(16, generator=torch.Generator().manual_seed(0))
     noisy = key * (1 + 2**-21)  # a few units in the last place
@@ -357,6 +364,8 @@ def test_policies_that_read_queries_refuse_other_attention_at_construction(name,
     with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\)"):
         SCORED[name](model)
     KNormCache(model, budget=8, recent=3)  # reads no queries: any implementation
+    from_spec(model, "keydiff:budget=8,recent=3")
+    from_spec(model, "expected_attention:budget=8")  # reads the queries before their rotation, no probabilities
 
 
 @torch.no_grad()
@@ -369,9 +378,11 @@ def _prefill_decode_chunk(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def test_knorm_evicts_alike_under_eager_sdpa_and_flex_attention(one_thread):
-    """KNorm reads no queries, so every attention implementation serves it: the same kept
-    positions and logits under eager, sdpa and flex_attention (compiled, on CPU: the cache hands
+@pytest.mark.parametrize("spec", ["knorm:budget=10,recent=4", "keydiff:budget=10,recent=4", "expected_attention:budget=10,sinks=2"])
+def test_attention_free_statistics_evict_alike_under_eager_sdpa_and_flex_attention(spec, one_thread):
+    """KNorm and KeyDiff read no queries, Expected Attention only the queries before their rotation,
+    and none of them attention probabilities, so every attention implementation serves them: the same
+    kept positions and logits under eager, sdpa and flex_attention (compiled, on CPU: the cache hands
     flex a tensor kv offset, see ``PolicyCache.get_mask_sizes``). flash_attention_2 has no CPU
     kernel; its construction is accepted (test_policies_that_read_queries_refuse_other_attention...)."""
     ids = random_ids(1, 40, seed=6)
@@ -379,7 +390,7 @@ def test_knorm_evicts_alike_under_eager_sdpa_and_flex_attention(one_thread):
     for implementation in ("sdpa", "eager", "flex_attention"):
         model = tiny_llama()
         model.set_attn_implementation(implementation)
-        cache = KNormCache(model, budget=10, recent=4)
+        cache = from_spec(model, spec)
         logits[implementation] = _prefill_decode_chunk(model, cache, ids)
         kept[implementation] = [layer.retention.kept_positions() for layer in cache.layers]
         assert cache.kept_tokens(0) < 40 and cache.get_seq_length() == 40

@@ -45,11 +45,11 @@ from ..speed import prefill
 from .runner import Contender, arguments, contender, run
 from .thresholds import Threshold, reasons
 
-POLICIES = ("window", "full", "sink", "h2o", "snapkv", "tova", "knorm", "kvzip")
+POLICIES = ("window", "full", "sink", "h2o", "snapkv", "tova", "knorm", "kvzip", "expected_attention", "keydiff")
 """Every contender's spec, the baseline (window) first; bare specs are built at ``--budget``."""
-SCORED = ("h2o", "snapkv", "tova", "knorm")
+SCORED = ("h2o", "snapkv", "tova", "knorm", "expected_attention", "keydiff")
 """The scored families whose prefill is held to :data:`PREFILL_VS_FULL`; KVzip's is stated."""
-NEEDLE_POLICIES = ("full", "window", "h2o", "snapkv", "snapkv:kernel=7", "snapkv:pooling=avg", "kvzip", "kvzip:layer_budgets=uniform")
+NEEDLE_POLICIES = ("full", "window", "h2o", "snapkv", "snapkv:kernel=7", "snapkv:pooling=avg", "snapkv:chunk=16", "kvzip", "kvzip:layer_budgets=uniform", "expected_attention", "keydiff")
 NEEDLE_LENGTHS = (1024, 2048)
 NEEDLE_PROTOCOLS = {"at-once": "prefill", "last-token-kept": "last-token-kept"}
 """``--needle-protocol`` choices and the protocols of :mod:`eval.protocols` they name."""

@@ -80,6 +80,7 @@ class H2OCache(ScoredCache):
         recent: int | float = 512,
         layer_budgets: LayerBudgets = "uniform",
         head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_tokens_or_fraction("heavy", heavy)
@@ -87,7 +88,7 @@ class H2OCache(ScoredCache):
         if isinstance(heavy, int) and isinstance(recent, int) and heavy + recent < 1:
             raise ValueError(f"heavy + recent must keep at least 1 token, got heavy={heavy}, recent={recent}")
         self.heavy, self.recent = heavy, recent
-        super().__init__(model, lambda **options: H2ORetention(heavy, recent, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda **options: H2ORetention(heavy, recent, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk)
 
     budget_keys = ("heavy", "recent")
 

@@ -4,13 +4,9 @@ A token's score is ``1 / ||k||`` of its key as the model computed it (before any
 rounding), fixed when it arrives: the ``recent`` newest tokens plus the lowest-norm others stay.
 No queries and no attention weights are needed, so it serves every attention implementation.
 
-Scores are rounded to :data:`SCORE_BITS` significant bits. A token that recurs (a generation
-loop repeats one token many times) has the same key norm wherever it stands in exact arithmetic,
-most of all in the first layer, whose keys are a projection of the token's embedding, rotated; in
-fp32 those norms differ in their last bits with the position's rotation and with the batch's
-shape (a projection of 3 rows rounds differently from one of 1). Unrounded, such ties are broken
-by that noise, so a row of a padded batch would keep other copies than the row alone; rounded,
-they are exact ties, and the shared rule breaks them (the oldest copy goes first).
+Scores are rounded to 12 significant bits (:func:`~hf_kvpolicies.retention.scoring.rounded`), so
+that copies of one token (a generation loop repeats one token many times) tie exactly, whatever
+fp32 noise their norms carry, and the shared rule breaks the tie (the oldest copy goes first).
 
 The preset, :class:`KNormCache`, builds it in every governed layer.
 """
@@ -21,21 +17,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended
+from ..retention.scoring import Attended, rounded
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
-
-
-SCORE_BITS = 12
-"""Significant bits of a score: a relative step of 2**-12 (2.4e-4), far above fp32's noise
-(a few units of 2**-24) and far below the spread of distinct keys' norms."""
-
-
-def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
-    """``scores`` rounded to ``bits`` significant bits (half to even), exactly, in their own dtype."""
-    mantissa, exponent = torch.frexp(scores)
-    return torch.ldexp(torch.round(mantissa * 2.0**bits) / 2.0**bits, exponent)
 
 
 class KNormRetention(ScoredRetention):
@@ -47,11 +32,7 @@ class KNormRetention(ScoredRetention):
         super().__init__(budget, protected=recent, **options)
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        inverse = rounded(seen.new_keys.float().norm(dim=-1).reciprocal())
-        if isinstance(seen.new_slots, int):
-            scores[..., seen.new_slots : seen.new_slots + inverse.shape[-1]] = inverse
-            return scores
-        return scores.scatter(-1, seen.new_slots, inverse)
+        return seen.write_new(scores, rounded(seen.new_keys.float().norm(dim=-1).reciprocal()))
 
 
 RECENT = 32
@@ -76,6 +57,7 @@ class KNormCache(ScoredCache):
         recent: int = RECENT,
         layer_budgets: LayerBudgets = "uniform",
         head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
@@ -83,7 +65,7 @@ class KNormCache(ScoredCache):
         if recent > budget:
             raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
         self.budget, self.recent = budget, recent
-        super().__init__(model, lambda **options: KNormRetention(budget, recent, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda **options: KNormRetention(budget, recent, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk)
 
     @classmethod
     def budget_parameters(cls, budget: int) -> dict[str, int]:

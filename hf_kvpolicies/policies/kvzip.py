@@ -71,7 +71,7 @@ class KVzipRetention(ScoredRetention):
             return
         self.scores[..., : self.live] = scores  # the prompt fits: stored in order, one slot per token
         if self.has_free:  # it filled budget + 1 slots: the slot to free is chosen again, now by score
-            self.free = self.lowest(self.positions, self.scores)
+            self.free = self.lowest(self.positions, self.ranking(self.positions, self.scores))
 
     def reset(self) -> None:
         super().reset()
@@ -82,7 +82,7 @@ class KVzipCache(ScoredCache):
     """KVzip (Kim et al., 2025) inside an unmodified ``model.generate()``.
 
     When the first forward (the prompt) has ended, the model is made to repeat it (the paper's
-    repeat instruction, the tokenizer's answer opening, then the prompt, ``chunk`` tokens per
+    repeat instruction, the tokenizer's answer opening, then the prompt, ``replay_chunk`` tokens per
     forward) over the prompt's keys, and each prompt token is scored by the largest attention it
     receives from those queries (:mod:`hf_kvpolicies.reconstruction`). Each layer then keeps
     the best-scoring prompt tokens, the prompt's last ones competing like the rest (as the paper
@@ -129,14 +129,15 @@ class KVzipCache(ScoredCache):
         sinks: int = 4,
         layer_budgets: LayerBudgets = "adaptive",
         head_budgets: HeadBudgets = "adaptive",
-        chunk: int = DEFAULT_CHUNK,
+        chunk: int = 1,
+        replay_chunk: int = DEFAULT_CHUNK,
         tokenizer: PreTrainedTokenizerBase | str | None = None,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, 1)
         check_int("recent", recent, 0)
         check_int("sinks", sinks, 0)
-        check_int("chunk", chunk, 1)
+        check_int("replay_chunk", replay_chunk, 1)
         if recent + sinks >= budget:
             raise ValueError(
                 f"recent={recent} plus sinks={sinks} must be below budget={budget}: the budget holds the recent "
@@ -145,14 +146,14 @@ class KVzipCache(ScoredCache):
             )
         check_reconstructable(model)
         self.prompt = RepeatPrompt.from_tokenizer(resolve_tokenizer(model, tokenizer))
-        self.chunk = chunk
+        self.replay_chunk = replay_chunk
         self._model = model
         self.context_ids: torch.Tensor | None = None
         """The first forward's ``input_ids`` (seen by :meth:`before_forward`), until its reconstruction."""
         self.reconstructed = False
         super().__init__(
             model, lambda **options: KVzipRetention(budget, recent, sinks, **options),
-            layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets,
+            layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk,
         )
 
     def before_forward(self, token: str, inputs: torch.Tensor, attention_mask: Any, config, dtype: torch.dtype) -> Any:
@@ -184,7 +185,7 @@ class KVzipCache(ScoredCache):
                 held.append((keys, values, retention.positions[..., : retention.live]))
         padding = held[0][2][:, 0] >= 0
         scores = reconstruction_scores(
-            self._model, [(keys, values) for keys, values, _ in held], self.context_ids, self.prompt, padding, self.chunk
+            self._model, [(keys, values) for keys, values, _ in held], self.context_ids, self.prompt, padding, self.replay_chunk
         )
         self.context_ids = None
         for (retention, _), score in zip(layers, scores):

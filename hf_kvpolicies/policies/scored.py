@@ -1,4 +1,4 @@
-"""ScoredCache: the cache side of every score-based eviction policy (H2O, SnapKV, TOVA, KNorm).
+"""ScoredCache: the cache side of every score-based eviction policy (H2O, SnapKV, TOVA, KNorm, ...).
 
 It builds one :class:`~hf_kvpolicies.retention.scored.ScoredRetention` per governed layer, installs
 the hooks the statistic needs (the query hooks of :mod:`hf_kvpolicies.attention_scores` when it
@@ -6,7 +6,8 @@ reads queries; the finishing hook always), and shares the budget among layers
 (``layer_budgets``: ``"uniform"``, ``"pyramid"`` or ``"adaptive"``) and, within a layer, among
 its KV heads (``head_budgets``: ``"uniform"``, every head ``budget`` tokens, or ``"adaptive"``,
 the heads' tokens competing for ``heads x budget``, held in pooled storage:
-:mod:`~hf_kvpolicies.retention.pooled_heads`).
+:mod:`~hf_kvpolicies.retention.pooled_heads`). ``chunk`` > 1 keeps and evicts whole chunks of
+neighbouring positions (ChunkKV: :mod:`~hf_kvpolicies.retention.chunks`), whatever the statistic.
 
 **Finishing a forward.** After each forward the model's dispatcher (:mod:`hf_kvpolicies.hooks`)
 calls ``after_forward``, which calls :meth:`ScoredCache.finish_prefill`. Layers whose
@@ -34,7 +35,7 @@ from ..retention.head_layouts import HEAD_LAYOUTS
 from ..retention.scored import ScoredRetention
 from ..retention.scoring import Pending
 from ..storage import StorageFactory
-from ..validation import check_choice
+from ..validation import check_choice, check_int
 
 LayerBudgets = Literal["uniform", "pyramid", "adaptive"]
 LAYER_BUDGETS = ("uniform", "pyramid", "adaptive")
@@ -60,6 +61,7 @@ class ScoredCache(PolicyCache):
         layer_budgets: LayerBudgets = "uniform",
         storage: str | StorageFactory = "native",
         head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
     ) -> None:
         try:
             check_choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
@@ -76,8 +78,16 @@ class ScoredCache(PolicyCache):
                 f"per-head attention mask, which {implementation!r} attention does not take: call "
                 "model.set_attn_implementation('sdpa') before building the cache, or use head_budgets='uniform'"
             )
-        needs_queries = retention().needs_queries
-        if needs_queries:
+        check_int("chunk", chunk, minimum=1)
+        probe = retention()
+        budget = probe.token_budget()
+        if budget is not None and chunk > budget:
+            raise ValueError(
+                f"chunk={chunk} is larger than budget={budget}: a chunk is kept or evicted whole, so give "
+                "chunk <= budget (chunk=1 ranks single tokens)"
+            )
+        needs_queries = probe.needs_queries
+        if needs_queries and not probe.queries_before_rope:  # it computes attention probabilities beside the kernel
             check_attention_implementation(type(self).__name__, model.config._attn_implementation)
         governed = [layout.index for layout in layer_layouts(model) if not layout.is_sliding]
 
@@ -90,9 +100,10 @@ class ScoredCache(PolicyCache):
                 layout=HEAD_LAYOUTS[head_budgets],
                 waits_for_cache=layer_budgets == "adaptive" or self.waits_for_cache,
                 layer_budget=share,
+                chunk=chunk,
             )
 
-        self.layer_budgets, self.head_budgets = layer_budgets, head_budgets
+        self.layer_budgets, self.head_budgets, self.chunk = layer_budgets, head_budgets, chunk
         super().__init__(model, make, storage=storage)
         if needs_queries:
             self.dispatcher.serve_queries(model)  # raises ValueError for a model whose attention it cannot serve
@@ -134,7 +145,9 @@ class ScoredCache(PolicyCache):
             # a row whose tokens fit every layer (pending only because pooled heads always trim) keeps them
             over = [any(length > budget for budget in row) for length, row in zip(lengths, fitting)]
             if any(over):
-                reserve = [[max(1, p) for p in row] for row in protected]
+                # at least the protected tokens, and whatever else the trim keeps unranked (sinks, an open chunk)
+                anyway = [retention.kept_unranked() for retention in retentions]
+                reserve = [[max(1, p, anyway[i][row]) for i, p in enumerate(row_p)] for row, row_p in enumerate(protected)]
                 candidates = [retention.candidate_scores() for retention in retentions]
                 budgets = budgets_by_row(self.adaptive_rule, candidates, reserve, fitting, over, self.head_budgets == "adaptive")
         for layer, budget in zip(waiting, budgets):

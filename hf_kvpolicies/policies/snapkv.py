@@ -109,6 +109,7 @@ class SnapKVCache(ScoredCache):
         pooling: Literal["max", "avg"] = "max",
         layer_budgets: LayerBudgets = "uniform",
         head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
@@ -128,7 +129,7 @@ class SnapKVCache(ScoredCache):
             lambda **options: SnapKVRetention(budget, window, kernel, pooling, **options),
             layer_budgets=layer_budgets,
             storage=storage,
-            head_budgets=head_budgets,
+            head_budgets=head_budgets, chunk=chunk,
         )
 
     @classmethod

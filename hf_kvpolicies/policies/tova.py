@@ -48,8 +48,9 @@ class TOVACache(ScoredCache):
         budget: int = 1024,
         layer_budgets: LayerBudgets = "uniform",
         head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
         storage: str | StorageFactory = "native",
     ) -> None:
         check_int("budget", budget, minimum=1)
         self.budget = budget
-        super().__init__(model, lambda **options: TOVARetention(budget, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets)
+        super().__init__(model, lambda **options: TOVARetention(budget, **options), layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk)

@@ -53,6 +53,9 @@ class Retention(ABC):
     arrived: a banded mask per chunk (``eval.stream``) then reproduces token-by-token streaming."""
     compileable = False
     """True when decode steps can take :meth:`static_step` (torch.compile, CUDA graphs)."""
+    queries_before_rope = False
+    """True when the policy reads a forward's queries before their rotation, ``q_norm(q_proj(x))``
+    (a statistic of the queries, no attention probabilities: any attention kernel serves it)."""
 
     def __init__(self) -> None:
         self.counts = Counts()

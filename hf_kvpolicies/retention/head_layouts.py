@@ -146,17 +146,17 @@ class PerHead(HeadLayout):
         r.record(slots, new_positions, keys.shape[-2])
         all_keys, all_values = storage.read(r.live)
         positions = r.positions[..., : r.live]
-        seen = r.attended(all_keys, keys, slots, query, scaling, positions)
+        seen = r.attended(all_keys, keys, values, slots, query, scaling, positions)
         extra = {name: t[..., : r.live] for name, t in r.extra.items()}
         r.scores[..., : r.live] = r.score(seen, r.scores[..., : r.live], extra)
         if r.live > r.budget:
-            r.free = r.lowest(r.positions, r.selection_scores(r.positions, r.scores))
+            r.free = r.lowest(r.positions, r.ranking(r.positions, r.scores))
             r.has_free = True
         return all_keys, all_values
 
     def trim(self, r, storage: Storage, pending: Pending) -> None:
         count = min(r.budget, pending.positions.shape[-1])
-        ranked = r.selection_scores(pending.positions, pending.scores)
+        ranked = r.ranking(pending.positions, pending.scores)
         stay, unused = r.per_row(r.best_first(pending.positions, ranked)[..., :count], pending.positions.shape[-1])
         keys, values = pending.to_store
         if not storage.is_allocated:
@@ -244,17 +244,18 @@ class PooledHeads(HeadLayout):
         r.live = self._live_after(r)
         all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read(r.live))
         query_mask = None if isinstance(new_positions, int) else new_positions[:, 0] >= 0
+        given = dict(new_values=values)
         if r.live < storage.capacity:  # the pool fills: slots past live are not attended yet
             positions = r.positions[..., : r.live]
-            seen = Attended(all_keys, keys, r.live - 1, slots, query, scaling, positions >= 0, query_mask)
+            seen = Attended(all_keys, keys, r.live - 1, slots, query, scaling, positions >= 0, query_mask, positions, **given)
             extra = {name: t[..., : r.live] for name, t in r.extra.items()}
             r.scores[..., : r.live] = r.score(seen, r.scores[..., : r.live], extra)
             r.free = slots + heads  # the next append
             return all_keys, all_values
         real = r.positions >= 0  # every slot is attended: whole tensors, no slices or copies
-        seen = Attended(all_keys, keys, r.live - 1, slots, query, scaling, real, query_mask)
+        seen = Attended(all_keys, keys, r.live - 1, slots, query, scaling, real, query_mask, r.positions, **given)
         r.scores = r.score(seen, r.scores, r.extra)
-        ranked = r.evictable(r.positions, r.selection_scores(r.positions, r.scores), real=real)
+        ranked = r.evictable(r.positions, r.ranking(r.positions, r.scores), real=real)
         if r.row_budgets is not None:  # a row's unused slots are never freed, so never written
             ranked = ranked.masked_fill(r.positions == UNUSED, float("inf"))
         victims = pooled_victims(r.positions, ranked, heads)  # victim i becomes head i's free slot
@@ -268,7 +269,7 @@ class PooledHeads(HeadLayout):
         """Keep the best ``heads x budget`` of every head's tokens together, in one pooled row."""
         batch, heads, k = pending.positions.shape
         count = min(r.budget * heads, heads * k)
-        ranked = r.evictable(pending.positions, r.selection_scores(pending.positions, pending.scores))
+        ranked = r.evictable(pending.positions, r.ranking(pending.positions, pending.scores))
         chosen, unused = r.per_row(pooled_ranking(pending.positions, ranked)[..., :count], heads * k, per_row=heads)
         capacity = heads * (r.budget + 1)
         if not storage.is_allocated or storage.capacity != capacity:

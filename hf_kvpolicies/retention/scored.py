@@ -12,7 +12,8 @@ the cache fills, tokens append. Once ``budget`` tokens are kept, a decode step w
 statistic updates the scores, and the token ranked lowest (by ``selection_scores``, the scores
 unless the statistic smooths them) outside the ``protected`` newest positions is evicted: its slot
 becomes the free slot of the next step. All of this stays on the device; the host keeps only
-plain ints.
+plain ints. With ``chunk`` > 1 (ChunkKV) the ranking is of whole chunks of neighbouring positions
+(:mod:`~hf_kvpolicies.retention.chunks`), for every statistic alike.
 
 A multi-token forward that does not fit (a prompt longer than the budget, a later chunk) is
 attended in full (kept tokens, then the new ones, under causal attention), scored (in query
@@ -45,6 +46,7 @@ from ..hooks import ALL_QUERIES
 from ..storage import Storage
 from ..storage.base import SlotIndex
 from .base import Retention
+from .chunks import chunk_ranking
 from .head_layouts import UNUSED, HeadLayout, PerHead
 from .scoring import Attended, Pending
 
@@ -69,15 +71,18 @@ class ScoredRetention(Retention):
         layout: HeadLayout | None = None,
         waits_for_cache: bool = False,
         layer_budget: LayerBudget | None = None,
+        chunk: int = 1,
     ) -> None:
         """``layout``: how the KV heads hold their tokens (default :class:`PerHead`);
         ``waits_for_cache``: the first forward over the budget waits for the cache's
-        :meth:`finish` instead of trimming; ``layer_budget``: this layer's share of a uniform budget."""
+        :meth:`finish` instead of trimming; ``layer_budget``: this layer's share of a uniform budget;
+        ``chunk``: rank whole chunks of that many neighbouring positions (1: single tokens)."""
         super().__init__()
         self.requested = (budget, protected)
         self.layout = layout or PerHead()
         self.waits_for_cache = waits_for_cache
         self.layer_budget = layer_budget
+        self.chunk = chunk
         self.waiting = waits_for_cache
         """Until the first forward over the budget (or the cache's rescoring) has been finished."""
         self.budget: int | None = None
@@ -92,6 +97,9 @@ class ScoredRetention(Retention):
         """``[batch, 1, 1]`` each row's ``protected`` where the rows' differ (``protected``: the largest)."""
         self.position_limit: int | None = None
         """The model's positions, where the budget would exceed them (:meth:`limit_to`)."""
+        self.row_start: torch.Tensor | None = None
+        """``[batch, 1, 1]`` each row's first real position (its pads come before it): where its
+        chunks begin, and where a statistic counts a row's positions from."""
         self.protected_from = 0
         """The first position the protection covers: a statistic whose prompt scores must rank every
         prompt token (KVzip's reconstruction) sets it past the prompt, so only later tokens are protected."""
@@ -125,9 +133,17 @@ class ScoredRetention(Retention):
     def selection_scores(
         self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None
     ) -> torch.Tensor:
-        """What evictions and trims rank by (the scores themselves unless the statistic smooths them);
+        """The statistic's ranking of single tokens (the scores themselves unless it smooths them);
         ``seen``: tokens seen after this forward (a device tensor in static steps; ``self.seen`` by default)."""
         return scores
+
+    def ranking(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
+        """What evictions and trims rank by: the statistic's :meth:`selection_scores`, of whole
+        chunks where ``chunk`` > 1 (:func:`~hf_kvpolicies.retention.chunks.chunk_ranking`)."""
+        ranked = self.selection_scores(positions, scores, seen)
+        if self.chunk == 1:
+            return ranked
+        return chunk_ranking(positions, ranked, self.row_start, self.seen if seen is None else seen, self.chunk)
 
     def resolve(self, prompt: int) -> tuple[int, int]:
         """``(budget, protected)`` in tokens for a first forward of ``prompt`` tokens."""
@@ -204,7 +220,7 @@ class ScoredRetention(Retention):
 
     @property
     def state_nbytes(self) -> int:
-        tensors = [self.positions, self.scores, self.free, *self.extra.values()]
+        tensors = [self.positions, self.scores, self.free, self.row_start, *self.extra.values()]
         return sum(t.nbytes for t in tensors if t is not None)
 
     def reorder(self, batch_index: torch.Tensor) -> None:
@@ -212,6 +228,7 @@ class ScoredRetention(Retention):
         self.positions = self.positions.index_select(0, batch_index)
         self.scores = self.scores.index_select(0, batch_index)
         self.free = self.free.index_select(0, batch_index)
+        self.row_start = self.row_start.index_select(0, batch_index)
         self.extra = {name: t.index_select(0, batch_index) for name, t in self.extra.items()}
         if self.row_budgets is not None:
             self.row_budgets = [self.row_budgets[i] for i in batch_index.tolist()]
@@ -222,7 +239,7 @@ class ScoredRetention(Retention):
         super().reset()
         self.budget = self.protected = self.row_budgets = self.row_protected = None
         self.protected_from = 0
-        self.positions = self.scores = self.free = self.live_t = None
+        self.positions = self.scores = self.free = self.live_t = self.row_start = None
         self.extra = {}
         self.pending = None
         self.has_free = self.padded = False
@@ -249,6 +266,8 @@ class ScoredRetention(Retention):
         if padding is not None:
             self.padded = True
         new_positions = self._new_positions(keys, q, padding)
+        if self.row_start is None or (padding is not None and q > 1):  # a row's first real token may come late
+            self.row_start = self._first_real(padding, keys)
         if self.budget is None:
             real = [q] * keys.shape[0] if isinstance(new_positions, int) else (new_positions[:, 0] >= 0).sum(-1).tolist()
             self._resolve_rows(real, keys.device)
@@ -272,11 +291,18 @@ class ScoredRetention(Retention):
         """Tokens of each row in the pending forward (pads and empty slots left out)."""
         return (self.pending.positions[:, 0] >= 0).sum(dim=-1).tolist()
 
+    def kept_unranked(self) -> list[int]:
+        """Per row, the most tokens of one head that the pending forward's trim keeps whatever their
+        scores (ranked ``+inf``: the protected newest, sinks, an open chunk)."""
+        pending = self.pending
+        ranked = self.evictable(pending.positions, self.ranking(pending.positions, pending.scores))
+        return (ranked == float("inf")).sum(dim=-1).amax(dim=-1).tolist()
+
     def candidate_scores(self) -> torch.Tensor:
         """The pending forward's ranking scores with protected tokens and pads at ``-inf``: what
         an adaptive allocation compares across layers."""
         pending = self.pending
-        ranked = self.evictable(pending.positions, self.selection_scores(pending.positions, pending.scores))
+        ranked = self.evictable(pending.positions, self.ranking(pending.positions, pending.scores))
         return ranked.masked_fill(ranked == float("inf"), float("-inf"))
 
     # --- the static decode step (unpadded batches, uniform budgets, a budget per head) ------------
@@ -313,11 +339,11 @@ class ScoredRetention(Retention):
         # then no key needs masking; compiled, the count is frozen, so the mask stays
         filled = not torch.compiler.is_compiling() and not self.stale and self.live + 1 >= slots
         key_mask = None if filled else self.positions >= 0
-        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask)
+        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=self.positions, new_values=values)
         self.scores.copy_(self.score(seen, self.scores, self.extra))
         # the lowest is used only once every slot is in use (before, the next slot is the append),
         # so no empty slot needs ranking last
-        ranked = self.selection_scores(self.positions, self.scores, self.seen_t + 1)
+        ranked = self.ranking(self.positions, self.scores, self.seen_t + 1)
         lowest = self.lowest(self.positions, ranked, self.seen_t + 1, every_slot_held=True)
         self.free.copy_(torch.where(self.live_t >= slots, lowest, self.live_t))
         self._static_done(storage)
@@ -329,15 +355,16 @@ class ScoredRetention(Retention):
         self.has_free = self.live > self.budget
 
     # --- what the head layouts share ----------------------------------------------------------
-    def attended(self, keys, new_keys, slots, query, scaling, positions) -> Attended:
+    def attended(self, keys, new_keys, new_values, slots, query, scaling, positions) -> Attended:
         """What a forward attends to, with key and query masks where some slots hold no token of a
         row or head (padded batches, pooled heads, rows with their own budgets)."""
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
+        given = dict(positions=positions, new_values=new_values)
         if not self.padded and not self.layout.pooled and self.row_budgets is None:
-            return Attended(keys, new_keys, first_new, slots, query, scaling)
+            return Attended(keys, new_keys, first_new, slots, query, scaling, **given)
         query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
-        return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask)
+        return Attended(keys, new_keys, first_new, slots, query, scaling, positions >= 0, query_mask, **given)
 
     def allocate(
         self, storage: Storage, like: torch.Tensor, capacity: int, heads: int | None = None, value_dim: int | None = None
@@ -435,6 +462,11 @@ class ScoredRetention(Retention):
         resolved = []
         for length in lengths:
             budget, protected = self.resolve(length)
+            if self.chunk > budget:  # a budget given as a fraction of the prompt is known only now
+                raise ValueError(
+                    f"chunk={self.chunk} is larger than the budget of {budget} tokens that this {length}-token prompt "
+                    "gives: a chunk is kept or evicted whole, so give chunk <= the budget (or a larger fraction)"
+                )
             if self.layer_budget is not None:
                 budget = self.layer_budget(budget, protected)
             if self.position_limit is not None and budget > self.position_limit:  # each layer's own, capped
@@ -445,6 +477,13 @@ class ScoredRetention(Retention):
         if len(set(resolved)) > 1:
             self.row_budgets = budgets
             self.row_protected = torch.tensor(protected, device=device).view(-1, 1, 1)
+
+    @staticmethod
+    def _first_real(padding: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+        """``[batch, 1, 1]`` each row's first real position (0 where unpadded): its first ``True``."""
+        if padding is None:
+            return torch.zeros(keys.shape[0], 1, 1, dtype=torch.long, device=keys.device)
+        return padding.to(keys.device, torch.int8).argmax(dim=-1).view(-1, 1, 1)
 
     def _checked_query(self, query: tuple[torch.Tensor, float] | None, q: int) -> tuple[torch.Tensor | None, float]:
         """The forward's queries where the statistic reads them, refusing keys that came without."""
@@ -493,7 +532,7 @@ class ScoredRetention(Retention):
                 arrived = (keys, values)
             scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
             extra = self.extra_state(batch, heads, q, keys.device)
-        seen = self.attended(all_keys, keys, all_keys.shape[-2] - q, query, scaling, positions)
+        seen = self.attended(all_keys, keys, values, all_keys.shape[-2] - q, query, scaling, positions)
         scores = self.score(seen, scores, extra)
         self.seen += q
         self.pending = Pending(all_keys, all_values, positions, scores, extra, arrived)

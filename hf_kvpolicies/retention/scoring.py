@@ -1,4 +1,5 @@
-"""What a statistic scores: the keys one forward attends to, and a forward waiting for its trim."""
+"""What a statistic scores: the keys one forward attends to, and a forward waiting for its trim;
+and how a statistic makes copies of one token score alike (:func:`rounded`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ class Attended:
     incoming keys as the model computed them (before any storage rounding), held at ``new_slots``
     of ``keys`` (a start index, or ``[batch, kv_heads, 1]`` for a decode step written in place);
     ``query`` holds the new queries (only the last ``query_rows`` where the statistic sets it),
-    ``None`` for statistics that need no queries.
-    ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real).
+    ``None`` for statistics that need no queries (before their rotation where the statistic sets
+    ``queries_before_rope``).
+    ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real);
+    ``positions`` ``[batch, kv_heads, k]`` is the position each key holds (``-1``: none);
+    ``new_values`` are the incoming values as the model computed them, beside ``new_keys``.
     """
 
     keys: torch.Tensor
@@ -30,10 +34,27 @@ class Attended:
     scaling: float = 1.0
     key_mask: torch.Tensor | None = None
     query_mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    new_values: torch.Tensor | None = None
 
     @property
     def q(self) -> int:
         return self.keys.shape[-2] - self.first_new
+
+    def new_positions(self) -> torch.Tensor:
+        """``[batch, kv_heads, q]`` positions of the new keys (``-1`` for pads)."""
+        if isinstance(self.new_slots, int):
+            return self.positions[..., self.new_slots : self.new_slots + self.q]
+        return self.positions.gather(-1, self.new_slots)
+
+    def write_new(self, target: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``target`` ``[batch, kv_heads, ..., k]`` (scores or per-slot state over the keys seen) with
+        the new keys' ``values`` ``[batch, kv_heads, ..., q]`` written at their slots, in place."""
+        if isinstance(self.new_slots, int):
+            target[..., self.new_slots : self.new_slots + values.shape[-1]] = values
+            return target
+        index = self.new_slots.view(*self.new_slots.shape[:2], *[1] * (target.dim() - 3), -1)
+        return target.scatter_(-1, index.expand(*target.shape[:-1], index.shape[-1]), values)
 
 
 @dataclass
@@ -52,3 +73,22 @@ class Pending:
     @property
     def to_store(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.arrived if self.arrived is not None else (self.keys, self.values)
+
+
+SCORE_BITS = 12
+"""Significant bits of a rounded score: a relative step of 2**-12 (2.4e-4), far above fp32's noise
+(a few units of 2**-24) and far below the spread of distinct keys' statistics."""
+
+
+def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
+    """``scores`` rounded to ``bits`` significant bits (half to even), exactly, in their own dtype.
+
+    A statistic of a key alone (its norm, its direction) is the same for copies of one token in
+    exact arithmetic (a generation loop repeats a token; the first layer's keys are a projection
+    of the token's embedding, rotated), but in fp32 it differs in the last bits with the
+    position's rotation and the batch's shape (a projection of 3 rows rounds differently from one
+    of 1). Unrounded, such ties are broken by that noise, so a row of a padded batch would keep
+    other copies than the row alone; rounded, they are exact ties, which the shared rule breaks by
+    age (the oldest copy goes first)."""
+    mantissa, exponent = torch.frexp(scores)
+    return torch.ldexp(torch.round(mantissa * 2.0**bits) / 2.0**bits, exponent)

@@ -1,0 +1,88 @@
+"""KeyDiff's statistic (Park et al., 2025): keys least like the others' average direction stay.
+
+The anchor is the mean of a head's L2-normalised keys; a token's score is the cosine distance of
+its key to the anchor, ``1 - cos`` (kvpress's ``KeyDiffPress`` scores ``-cos``: the same ranking,
+shifted to be non-negative as adaptive layer budgets, which compare each layer's share of its
+score mass, need), so the tokens whose keys point where most keys point are evicted first. No
+queries and no attention weights are needed, so it serves every attention implementation.
+
+The anchor moves as tokens come and go, and every score is relative to it, so each forward
+scores every key it sees afresh, over the kept keys and the new ones of the row and head (empty
+slots and pads left out of the anchor): two products of the keys with one vector, as cheap as one
+query's attention. Scores are the keys as attention sees them (fp8-rounded under fp8 storage),
+rounded to 12 significant bits (:func:`~hf_kvpolicies.retention.scoring.rounded`), so that the
+fp32 noise of another batch shape never flips a near-tie. The ``recent`` newest tokens stay.
+
+The preset, :class:`KeyDiffCache`, builds it in every governed layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from ..attention_scores import shares_one_key_row
+from ..retention.scored import ScoredRetention
+from ..retention.scoring import Attended, rounded
+from ..storage import StorageFactory
+from ..validation import check_int
+from .scored import HeadBudgets, LayerBudgets, ScoredCache
+
+
+class KeyDiffRetention(ScoredRetention):
+    """Recent window + the keys least similar to the mean normalised key, per (row, KV head)."""
+
+    needs_queries = False
+
+    def __init__(self, budget: int, recent: int, **options) -> None:
+        super().__init__(budget, protected=recent, **options)
+
+    def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        keys = seen.keys[:, :1] if shares_one_key_row(seen.keys) else seen.keys  # pooled heads share one row
+        keys = keys.float()
+        inverse = keys.norm(dim=-1).clamp_(min=1e-12).reciprocal_()  # [batch, heads, k]
+        weights = inverse if seen.key_mask is None else inverse * seen.key_mask
+        # the sum of the unit keys: the anchor's direction, which is all a cosine reads
+        anchor = torch.matmul(weights.unsqueeze(-2), keys)  # [batch, heads, 1, dim]
+        similarity = torch.matmul(keys, anchor.transpose(-1, -2)).squeeze(-1) * inverse
+        return rounded(1 - similarity.div_(anchor.norm(dim=-1).clamp_(min=1e-12)))
+
+
+RECENT = 32
+
+
+class KeyDiffCache(ScoredCache):
+    """KeyDiff (Park et al., 2025) inside an unmodified ``model.generate()``.
+
+    Per layer and KV head, keeps the ``recent`` newest tokens plus the ``budget - recent`` others
+    whose keys are least similar (cosine) to the mean of the head's normalised keys, recomputed at
+    every step over the keys kept (see :mod:`hf_kvpolicies.policies.keydiff`). It reads no queries
+    and no attention weights, so it works with every attention implementation (padded batches
+    need ``sdpa`` or ``eager`` for their exact mask).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        budget: int = 1024,
+        recent: int = RECENT,
+        layer_budgets: LayerBudgets = "uniform",
+        head_budgets: HeadBudgets = "uniform",
+        chunk: int = 1,
+        storage: str | StorageFactory = "native",
+    ) -> None:
+        check_int("budget", budget, minimum=1)
+        check_int("recent", recent, minimum=0)
+        if recent > budget:
+            raise ValueError(f"recent={recent} is larger than budget={budget}: give recent <= budget")
+        self.budget, self.recent = budget, recent
+        super().__init__(
+            model, lambda **options: KeyDiffRetention(budget, recent, **options),
+            layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk,
+        )
+
+    @classmethod
+    def budget_parameters(cls, budget: int) -> dict[str, int]:
+        """``budget`` kept tokens, the protected recent ones among them: the default count, but never
+        more than a quarter of the budget, so that most of it is chosen by the statistic at every budget."""
+        return {"budget": budget, "recent": min(RECENT, budget // 4)}
