@@ -77,16 +77,18 @@ def streaming_masks(cache: PolicyCache, query_length: int, model: PreTrainedMode
     )
 
 
-def forward_ends(length: int, chunk: int, stops: Iterable[int] = ()) -> list[int]:
+def forward_ends(length: int, chunk: int, stops: Iterable[int] = (), more: bool = False) -> list[int]:
     """Where the forwards over ``length`` tokens end: every ``chunk`` tokens from the start and
     from each stop, and at each stop. A lone token left before a stop joins the chunk before it:
     after a one-token forward the retention's bookkeeping of positions is not ready for the next
     chunk's mask (a window's ``key_positions`` then leaves that token out), so no lone token goes
-    between two chunks (stops one token apart would still make one)."""
+    between two chunks (stops one token apart would still make one). With ``more`` (another
+    stream of chunks follows this one into the same cache), a lone last token joins the chunk
+    before it too."""
     ends, start = [], 0
     for mark in sorted({*(stop for stop in stops if 0 < stop < length), length}):
         cuts = [*range(start + chunk, mark, chunk), mark]
-        if mark < length and len(cuts) > 1 and cuts[-1] - cuts[-2] == 1:
+        if (mark < length or more) and len(cuts) > 1 and cuts[-1] - cuts[-2] == 1:
             del cuts[-2]
         ends += cuts
         start = mark
@@ -95,11 +97,18 @@ def forward_ends(length: int, chunk: int, stops: Iterable[int] = ()) -> list[int
 
 @torch.no_grad()
 def feed(
-    model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int, every_logit: bool = True, stops: Iterable[int] = ()
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    cache: Cache,
+    chunk: int,
+    every_logit: bool = True,
+    stops: Iterable[int] = (),
+    more: bool = False,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Run ``ids`` (``[batch, n]``, rows of equal length) through ``model`` into ``cache``,
     ``chunk`` tokens per forward, a forward also ending at each of ``stops`` (tokens fed: where an
-    observer must see the cache, whatever the chunk).
+    observer must see the cache, whatever the chunk); ``more``: chunks of another ``feed`` follow
+    into the same cache (see :func:`forward_ends`).
 
     Yields ``(start, end, logits)`` after each forward: the logits of tokens ``[start, end)``
     (``[batch, end - start, vocab]``), or of the last one only (``[batch, 1, vocab]``) when
@@ -113,7 +122,7 @@ def feed(
         and not all(layer.retention.in_position_order for layer in cache.layers)
     )
     keep = 0 if every_logit else 1
-    ends = forward_ends(ids.shape[1], chunk, stops)
+    ends = forward_ends(ids.shape[1], chunk, stops, more)
     for start, end in zip([0, *ends], ends):
         mask = streaming_masks(cache, end - start, model) if masked and end - start > 1 else None
         out = model(ids[:, start:end], attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=keep)
