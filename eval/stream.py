@@ -89,7 +89,12 @@ def forward_ends(length: int, chunk: int, stops: Iterable[int] = ()) -> list[int
 
 @torch.no_grad()
 def feed(
-    model: PreTrainedModel, ids: torch.Tensor, cache: Cache, chunk: int, every_logit: bool = True, stops: Iterable[int] = ()
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    cache: Cache,
+    chunk: int,
+    every_logit: bool = True,
+    stops: Iterable[int] = (),
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Run ``ids`` (``[batch, n]``, rows of equal length) through ``model`` into ``cache``,
     ``chunk`` tokens per forward, a forward also ending at each of ``stops`` (tokens fed: where an

@@ -225,7 +225,7 @@ def _run_claimed(settings: Settings, units: list[list[Job]], base: dict, device,
     return ran
 
 
-def _inputs(settings: Settings) -> tuple[str, list[dict]]:
+def inputs(settings: Settings) -> tuple[str, list[dict]]:
     """``(text, QA samples)``: loaded only by a process with runs to do."""
     if is_qa_dataset(settings.dataset):
         samples = load_samples(settings.dataset, settings.qa_samples)
@@ -236,7 +236,7 @@ def _inputs(settings: Settings) -> tuple[str, list[dict]]:
 def _prepare(settings: Settings, jobs: list[Job], device: torch.device, dtype: torch.dtype) -> Bench:
     """Load the model and the inputs, and check every job (protocols, constructors, each task's
     own checks) before the first long run."""
-    text, samples = _inputs(settings)
+    text, samples = inputs(settings)
     model, tokenizer = _model(settings, device, dtype)
     tasks = _tasks_of(job.task for job in jobs)
     try:
@@ -249,7 +249,7 @@ def _prepare(settings: Settings, jobs: list[Job], device: torch.device, dtype: t
         except ValueError as error:
             raise UsageError(f"--protocol {protocol}: {error}") from error
     for spec in dict.fromkeys(job.run.spec(_context_of(job, settings)) for job in jobs):  # every constructor check first
-        _build(model, spec)
+        build_policy(model, spec, f"--policy {spec!r}")
     bench = Bench(settings, model, tokenizer, ids, text, samples)
     for task in tasks:
         task.prepare(bench, [job for job in jobs if task_for(job.task) is task])
@@ -262,7 +262,7 @@ def _run_unit(settings: Settings, bench: Bench, jobs: list[Job], context: dict, 
     the setup and environment every record carries)."""
     first = jobs[0]
     spec = first.run.spec(_context_of(first, settings))
-    fields = _policy_fields(from_spec(bench.model, spec), spec, first.run.budget_for(_context_of(first, settings)))
+    fields = policy_fields(from_spec(bench.model, spec), spec, first.run.budget_for(_context_of(first, settings)))
     unit = Unit(first.run, jobs, spec, fields, lambda: from_spec(bench.model, spec))
     for task in _tasks_of(job.task for job in jobs):
         for job, figures in task.run(bench, unit, [job for job in jobs if task_for(job.task) is task]):
@@ -286,7 +286,7 @@ def _job_label(job: Job) -> str:
     return f"{job.task}{places}" + (f" {job.protocol}" if job.protocol is not None else "")
 
 
-def _policy_fields(cache, spec: str, swept: int | None) -> dict:
+def policy_fields(cache, spec: str, swept: int | None) -> dict:
     """What every record says about the cache it measured: the spec built and what it was built
     as (the class and the keywords the spec resolved to, budget parameters included), its budget
     (the one swept, else the most tokens its first governed layer keeps, ``None`` when not known
@@ -327,14 +327,16 @@ def _model(settings: Settings, device: torch.device, dtype: torch.dtype):
         ) from error
 
 
-def _build(model, spec: str):
+def build_policy(model, spec: str, given_as: str, error: type[ValueError] = UsageError):
+    """``from_spec(model, spec)``; ``error`` naming ``given_as`` (the option that gave the spec) for what
+    the constructor refuses, and for a policy that governs none of the model's layers."""
     try:
         cache = from_spec(model, spec)
-    except (ValueError, NotImplementedError) as error:
-        raise UsageError(f"--policy {spec!r}: {error}") from error
+    except (ValueError, NotImplementedError) as problem:
+        raise error(f"{given_as}: {problem}") from problem
     if isinstance(cache, PolicyCache) and cache.governed_layers == 0:
-        raise UsageError(
-            f"--policy {spec!r} governs none of the model's {len(cache.layers)} layers (each keeps the model's own "
+        raise error(
+            f"{given_as} governs none of the model's {len(cache.layers)} layers (each keeps the model's own "
             "sliding window), so it would measure the model, not the policy: use a model with full-attention layers"
         )
     return cache

@@ -112,6 +112,13 @@ def _load(name, gguf_file, dtype, device_map, attn_implementation):
     return model.eval(), tokenizer
 
 
+def pretrained_path(name: str) -> str:
+    """What ``from_pretrained`` loads ``name`` from: an embedded model's converted folder (made
+    once per machine), else ``name`` itself (a Hub id or a local folder). For loaders of their
+    own, such as lm-evaluation-harness's."""
+    return str(_converted(name)) if name in EMBEDDED_MODELS else name
+
+
 def _converted(name: str) -> Path:
     """A folder with the embedded model's weights converted from GGUF (made once per machine)."""
     folder = cache_root() / "converted" / name

@@ -268,7 +268,7 @@ def test_every_default_policy_is_registered_and_builds_at_every_default_budget(t
     runs = expand(list(settings_module.DEFAULT_POLICIES), settings_module.DEFAULT_BUDGETS)
     assert len(runs) == 2 + 3 * len(settings_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
     for run in runs:
-        assert sweep_module._build(model, run.spec(512)).get_seq_length() == 0
+        assert sweep_module.build_policy(model, run.spec(512), "--policy").get_seq_length() == 0
 
 
 def test_runs_are_dealt_round_robin_keeping_a_stream_and_a_length_together():

@@ -3,11 +3,11 @@
 A new task is a module with a :class:`~eval.tasks.base.Task` subclass and one line below.
 """
 
-from . import memory, perplexity, qa, recall, speed
+from . import lm_eval, memory, perplexity, qa, recall, speed
 from .base import Bench, Column, Curves, Job, Measure, Panel, Row, Task, Unit
 from .registry import TASKS, check_task_name, register_task, task_for, task_names
 
-for _task in (perplexity.TASK, memory.TASK, speed.TASK, recall.TASK, qa.TASK):
+for _task in (perplexity.TASK, memory.TASK, speed.TASK, recall.TASK, qa.TASK, lm_eval.TASK):
     register_task(_task)
 
 __all__ = [
