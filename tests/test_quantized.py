@@ -56,12 +56,14 @@ def naive_round_trip(x: torch.Tensor, bits: int, group: int, axis: int) -> torch
 class NaiveQuantized(NativeStorage):
     """Every token held exactly; reads return what the definition says the integer storage holds
     after appends: the last ``residual`` tokens written native, values (and token-axis keys)
-    quantised per token, each key channel group ``[k * group, (k + 1) * group)`` quantised over
-    its written tokens once its first token has left the residual. A rewrite pushes nothing."""
+    quantised per token, the keys of slots ``[0, sinks)`` native, each key channel group
+    ``[k * group, (k + 1) * group)`` quantised over its other written tokens once its first token
+    has left the residual. A rewrite pushes nothing."""
 
-    def __init__(self, bits: int, group: int = 8, residual: int = 8, key_axis: str = "channel") -> None:
+    def __init__(self, bits: int, group: int = 8, residual: int = 8, key_axis: str = "channel", sinks: int = 1) -> None:
         super().__init__()
         self.bits, self.group, self.residual, self.key_axis = bits, group, residual, key_axis
+        self.sinks = sinks if key_axis == "channel" else 0
         self.order: list[int] = []
 
     def allocate(self, like, capacity, value_dim=None) -> None:
@@ -101,13 +103,14 @@ class NaiveQuantized(NativeStorage):
                 keys[:, :, slot] = naive_round_trip(self.keys[:, :, slot : slot + 1], self.bits, self.group, -1)[:, :, 0]
         if self.key_axis == "channel":
             for start in range(0, min(length, end), self.group):
-                if start in native:
-                    continue  # the group's first token is still native: not quantised yet
-                members = self.keys[:, :, start : min(start + self.group, end)]
+                first = max(start, self.sinks)  # sinks take no part in a group
+                if start in native or first >= min(start + self.group, end):
+                    continue  # the group's first token is still native (not quantised yet), or it holds only sinks
+                members = self.keys[:, :, first : min(start + self.group, end)]
                 decoded = naive_round_trip(members, self.bits, self.group, -2)
-                for offset in range(min(decoded.shape[2], length - start)):
-                    if start + offset not in native:
-                        keys[:, :, start + offset] = decoded[:, :, offset]
+                for offset in range(min(decoded.shape[2], length - first)):
+                    if first + offset not in native:
+                        keys[:, :, first + offset] = decoded[:, :, offset]
         return keys, values
 
     def read_static(self):
@@ -118,7 +121,7 @@ class NaiveQuantized(NativeStorage):
         return NativeStorage.gather(_Held(keys, values), slots)
 
     def as_written(self, keys, values):
-        empty = NaiveQuantized(self.bits, self.group, self.residual, self.key_axis)
+        empty = NaiveQuantized(self.bits, self.group, self.residual, self.key_axis, self.sinks)
         empty.allocate(keys, keys.shape[-2], values.shape[-1])
         empty.write(0, keys, values)
         return empty.read(keys.shape[-2])
@@ -156,7 +159,7 @@ def test_codes_and_reads_equal_the_naive_quantiser(bits, group, dtype):
     keys, values = awkward((2, 2, 45, 24), dtype), awkward((2, 2, 45, 24), dtype, seed=1)
     half = torch.float16 if dtype == torch.float16 else torch.bfloat16
     per_token = QuantizedStorage(bits, group, residual=0, key_axis="token")
-    per_channel = QuantizedStorage(bits, group, residual=group, key_axis="channel")
+    per_channel = QuantizedStorage(bits, group, residual=group, key_axis="channel", sinks=0)
     for stored in (per_token, per_channel):
         stored.allocate(keys, 45)
         stored.write(0, keys, values)
@@ -259,6 +262,22 @@ def test_rewritten_sinks_push_no_recent_token_out_of_the_residual():
     assert (keys[:, :, :2] - sinks).abs().max() < 0.5 and not torch.equal(keys[:, :, :2], sinks)
 
 
+def test_sink_keys_stay_native_and_out_of_their_groups_range():
+    keys = torch.randn(1, 2, 40, 8)
+    keys[:, :, 0] *= 50.0  # an attention sink's key: an outlier in every channel
+    with_sink, without = QuantizedStorage(2, 8, 8, sinks=1), QuantizedStorage(2, 8, 8, sinks=0)
+    for stored in (with_sink, without):
+        stored.allocate(keys, 40)
+        stored.write(0, keys, keys)
+    read, plain = with_sink.read(40)[0], without.read(40)[0]
+    assert torch.equal(read[:, :, 0], keys[:, :, 0]) and not torch.equal(plain[:, :, 0], keys[:, :, 0])
+    assert torch.equal(read[:, :, 1:8], naive_round_trip(keys[:, :, 1:8], 2, 8, -2))  # group 0 without the sink
+    assert (read[:, :, 1:8] - keys[:, :, 1:8]).abs().max() < (plain[:, :, 1:8] - keys[:, :, 1:8]).abs().max() / 4
+    assert torch.equal(read[:, :, 8:], plain[:, :, 8:])
+    assert torch.equal(with_sink.gather(torch.tensor([0, 3]))[0], read[:, :, [0, 3]])
+    assert torch.equal(torch.stack(with_sink.as_written(keys, keys)), torch.stack(with_sink.read(40)))
+
+
 # --- every policy against the naive reference storage -------------------------------------------
 def build(model, name: str, storage, budget: int | None = None):
     """``name`` at ``budget`` kept tokens (its class's ``budget_parameters``), or at a budget that
@@ -327,8 +346,8 @@ class NaiveChannelGroups:
     the grid kept, and the survivors' codes with it; otherwise the grid widened over the fresh
     tokens, the survivors re-encoded from what they read."""
 
-    def __init__(self, bits: int, group: int, residual: int, capacity: int, width: int) -> None:
-        self.bits, self.group, self.residual = bits, group, residual
+    def __init__(self, bits: int, group: int, residual: int, capacity: int, width: int, sinks: int) -> None:
+        self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
         self.exact = torch.zeros(capacity, width)
         self.codes = torch.zeros(capacity, width)
         groups = -(-capacity // group)
@@ -345,8 +364,10 @@ class NaiveChannelGroups:
 
     def quantise(self, group: int, departed: int) -> None:
         top_code, grid = 2**self.bits - 1, representable(torch.bfloat16)
-        members = range(group * self.group, min((group + 1) * self.group, len(self.exact)))
+        members = range(max(group * self.group, self.sinks), min((group + 1) * self.group, len(self.exact)))
         fresh = [m for m in members if m in self.pushed or m == departed]
+        if not fresh:
+            return
         survivors = [m for m in members if m not in fresh]
         for channel in range(self.exact.shape[1]):
             zero, scale = self.zero[group, channel].clone(), self.scale[group, channel].clone()
@@ -369,7 +390,7 @@ class NaiveChannelGroups:
     def read(self) -> torch.Tensor:
         groups = torch.arange(len(self.exact)) // self.group
         decoded = self.zero[groups] + self.codes * self.scale[groups]
-        for slot in self.pushed:
+        for slot in [*self.pushed, *range(self.sinks)]:
             decoded[slot] = self.exact[slot]
         return decoded
 
@@ -379,11 +400,12 @@ class NaiveChannelGroups:
 def test_scattered_writes_follow_the_group_rules(bits, static):
     """Appends fill 22 slots, then each row and head writes one token at a time into a slot of its
     own (as a scored policy's decode steps do), some far outside their group's range: the keys read
-    back equal the rules' transcription above at every step, eagerly and through the static step."""
-    batch, heads, capacity, width, group, residual = 2, 2, 22, 5, 4, 6
+    back equal the rules' transcription above at every step, eagerly and through the static step
+    (two sink slots included: their keys stay native and out of group 0's range)."""
+    batch, heads, capacity, width, group, residual, sinks = 2, 2, 22, 5, 4, 6, 2
     generator = torch.Generator().manual_seed(bits)
-    stored = QuantizedStorage(bits, group, residual)
-    naive = [[NaiveChannelGroups(bits, group, residual, capacity, width) for _ in range(heads)] for _ in range(batch)]
+    stored = QuantizedStorage(bits, group, residual, sinks=sinks)
+    naive = [[NaiveChannelGroups(bits, group, residual, capacity, width, sinks) for _ in range(heads)] for _ in range(batch)]
     stored.allocate(torch.zeros(batch, heads, 1, width), capacity)
     for step in range(capacity + 40):
         keys = torch.randn(batch, heads, 1, width, generator=generator)
@@ -460,7 +482,7 @@ def test_beam_search_reorders_codes_scales_and_residual(bits):
 
 # --- bytes --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [1, 127, 128, 129, 1000])
-@pytest.mark.parametrize(("bits", "options"), [(8, ""), (4, ""), (2, ""), (4, "residual=128"), (2, "key_axis=token;group_size=48")])
+@pytest.mark.parametrize(("bits", "options"), [(8, ""), (4, ""), (2, ""), (4, "residual=128;sinks=4"), (2, "key_axis=token;group_size=48")])
 def test_footprint_and_held_bytes_by_hand(bits, options, tokens):
     """A full cache of ``tokens`` (a prompt: allocated exactly) on a model with head dim 64 and 2 KV
     heads, bf16 keys: every tensor counted from the layout, nothing else held."""
@@ -471,15 +493,15 @@ def test_footprint_and_held_bytes_by_hand(bits, options, tokens):
     chunk = torch.randn(1, 2, tokens, 64).to(torch.bfloat16)
     for layer in range(len(cache.layers)):
         cache.update(chunk, chunk, layer)
-    group, residual, axis = stored.group_size, stored.residual, stored.key_axis
+    group, residual, axis, sinks = stored.group_size, stored.residual, stored.key_axis, stored.sinks
     rows = 1 * 2  # batch x KV heads
     codes = 64 * bits // 8  # bytes a vector
     value_groups = -(-64 // group)
     values = tokens * (codes + value_groups * 2 * 2)  # codes, then a bf16 zero point and scale per group
     if axis == "channel":
         slot_groups = -(-tokens // group)
-        keys_allocated = slot_groups * group * codes + slot_groups * 64 * 2 * 2 + 8  # whole groups of slots; `written`
-        keys_held = tokens * codes + slot_groups * 64 * 2 * 2 + 8
+        keys_allocated = slot_groups * group * codes + slot_groups * 64 * 2 * 2 + 8 + sinks * 64 * 2  # whole groups of slots; `written`; sink keys
+        keys_held = tokens * codes + slot_groups * 64 * 2 * 2 + 8 + min(tokens, sinks) * 64 * 2
     else:
         keys_allocated = keys_held = values
     native = min(tokens, residual) * (2 * 64 * 2 + 8)  # bf16 key and value, the slot it shadows
@@ -511,10 +533,11 @@ def test_options_reach_every_policy_and_the_defaults_are_kivis_but_the_residual(
     stored = cache.layers[0].storage
     assert (stored.bits, stored.group_size, stored.residual, stored.key_axis) == (2, 16, 64, "token")
     default = FullCache(model, storage="int4").layers[0].storage
-    assert (default.bits, default.group_size, default.residual, default.key_axis) == (4, 32, 32, "channel")
+    assert (default.bits, default.group_size, default.residual, default.key_axis, default.sinks) == (4, 32, 32, "channel", 1)
     assert from_spec(model, "snapkv:budget=64,storage=int8").layers[0].storage.bits == 8
     assert {"int8", "int4", "int2"} <= set(available_storages())
-    assert repr(storage_factory("int4:residual=64")) == "QuantizedStorage.factory(bits=4, group_size=32, residual=64, key_axis='channel')"
+    assert repr(storage_factory("int4:residual=64")) == "QuantizedStorage.factory(bits=4, group_size=32, residual=64, key_axis='channel', sinks=1)"
+    assert from_spec(model, "full:storage=int4:key_axis=token").layers[0].storage.sinks == 0
 
 
 @pytest.mark.parametrize(
@@ -530,7 +553,9 @@ def test_options_reach_every_policy_and_the_defaults_are_kivis_but_the_residual(
         (lambda: storage_factory("int4:residual=-3"), "residual must be an integer >= 0, got -3"),
         (lambda: storage_factory("int4:group_size=x"), "group_size must be an integer >= 1, got 'x'"),
         (lambda: storage_factory("int4:key_axis=head"), "key_axis must be one of 'channel', 'token'"),
-        (lambda: storage_factory("int4:bits=8"), "options are group_size=<int>, residual=<int> and key_axis="),
+        (lambda: storage_factory("int4:bits=8"), "options are group_size=<int>, residual=<int>, key_axis=<channel|token> and sinks=<int>"),
+        (lambda: QuantizedStorage(sinks=-1), "sinks must be an integer >= 0, got -1"),
+        (lambda: storage_factory("int2:key_axis=token;sinks=2"), "sinks=2 .* give sinks=0 with key_axis='token'"),
         (lambda: FullCache(tiny_llama(), storage="int4:residual=600"), "residual=600 exceeds the 512 positions"),
     ],
 )

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 BITS = (2, 4, 8)
+SMALLEST = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+"""The smallest positive float32 (a subnormal)."""
 
 
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,15 +47,17 @@ def affine_parameters(lo: torch.Tensor, hi: torch.Tensor, bits: int, half: torch
 
 
 def encode(x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes of ``x`` on the grids ``zero + k * scale`` (float32, broadcast against ``x``)."""
-    positive = scale > 0
-    codes = (x.float() - zero).div_(torch.where(positive, scale, 1.0)).round_().clamp_(0, 2**bits - 1)
-    return torch.where(positive, codes, 0.0).to(torch.uint8)
+    """uint8 codes of ``x`` on the grids ``zero + k * scale`` (float32, broadcast against ``x``). A
+    zero scale means every number of the group is its zero point: ``x - zero`` is 0 there, and the
+    divisor is raised to the smallest positive float so that the code is 0."""
+    return (x.float() - zero).div_(scale.clamp(min=SMALLEST)).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
 
 
-def decode(codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``zero + codes * scale`` (float32 operands, broadcast), into ``out`` where given."""
-    return torch.addcmul(zero, codes, scale) if out is None else torch.addcmul(zero, codes, scale, out=out)
+def decode(codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``zero + codes * scale`` in float32 (operands broadcast): the product is exact, so multiplying
+    then adding in place is the one rounding of the definition (and several times faster on the CPU
+    than ``addcmul`` with a broadcast last axis)."""
+    return codes.float().mul_(scale).add_(zero)
 
 
 # --- groups along one axis ---------------------------------------------------------------------
@@ -64,50 +68,58 @@ def group_ranges(x: torch.Tensor, group: int, axis: int) -> tuple[torch.Tensor, 
     full, tail = divmod(x.shape[axis], group)
     parts = []
     if full:
-        parts.append(x.narrow(axis, 0, full * group).unflatten(axis, (full, group)))
+        parts.append(torch.aminmax(x.narrow(axis, 0, full * group).unflatten(axis, (full, group)), dim=axis))
     if tail:
-        parts.append(x.narrow(axis, full * group, tail).unsqueeze(axis - 1))
-    lo = torch.cat([part.amin(axis) for part in parts], dim=axis)
-    hi = torch.cat([part.amax(axis) for part in parts], dim=axis)
-    return lo, hi
+        parts.append(torch.aminmax(x.narrow(axis, full * group, tail), dim=axis, keepdim=True))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([parts[0][0], parts[1][0]], dim=axis), torch.cat([parts[0][1], parts[1][1]], dim=axis)
 
 
-def per_element(parameter: torch.Tensor, group: int, length: int, axis: int) -> torch.Tensor:
-    """A per-group ``parameter`` repeated over its group's elements along ``axis`` (``length`` long)."""
-    return parameter.repeat_interleave(group, dim=axis).narrow(axis, 0, length)
+def per_group(x: torch.Tensor, parameter: torch.Tensor, group: int, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and a per-group ``parameter`` made to broadcast element by element: ``x`` split into
+    ``(groups, group)`` along ``axis`` where ``group`` divides it, else ``parameter`` repeated over
+    each group's elements."""
+    n = x.shape[axis]
+    if n % group == 0:
+        return x.unflatten(axis, (n // group, group)), parameter.unsqueeze(axis)
+    return x, parameter.repeat_interleave(group, dim=axis).narrow(axis, 0, n)
 
 
 def quantise_groups(
-    x: torch.Tensor, group: int, axis: int, bits: int, half: torch.dtype
+    x: torch.Tensor, group: int, axis: int, bits: int, half: torch.dtype, skip: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unpacked codes (shaped like ``x``), zero points and scales of ``x`` in groups along ``axis``."""
-    zero, scale = affine_parameters(*group_ranges(x, group, axis), bits, half)
-    n = x.shape[axis]
-    codes = encode(x, per_element(zero.float(), group, n, axis), per_element(scale.float(), group, n, axis), bits)
-    return codes, zero, scale
+    """Unpacked codes (shaped like ``x``), zero points and scales of ``x`` in groups along ``axis``;
+    the first ``skip`` numbers along it take no part in their group's range (they are held
+    elsewhere: their codes are meaningless)."""
+    if skip:
+        low, high = x.float().clone(), x.float().clone()
+        low.narrow(axis, 0, skip).fill_(float("inf"))
+        high.narrow(axis, 0, skip).fill_(float("-inf"))
+        lo, hi = group_ranges(low, group, axis)[0], group_ranges(high, group, axis)[1]
+    else:
+        lo, hi = group_ranges(x, group, axis)
+    zero, scale = affine_parameters(lo, hi, bits, half)
+    grouped, zeros = per_group(x, zero.float(), group, axis)
+    scales = per_group(x, scale.float(), group, axis)[1]
+    return encode(grouped, zeros, scales, bits).view(x.shape), zero, scale
 
 
 def decode_groups(codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int, axis: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decode ``codes`` whose groups run along ``axis`` into a new ``dtype`` tensor: the full groups
-    as one broadcast operation written straight in ``dtype``, a shorter last group as another."""
-    full, tail = divmod(codes.shape[axis], group)
-    zero, scale = zero.float(), scale.float()
-    parts = []
-    if full:
-        grouped = codes.narrow(axis, 0, full * group).unflatten(axis, (full, group))
-        out = torch.empty(grouped.shape, dtype=dtype, device=codes.device)
-        decode(grouped, zero.narrow(axis, 0, full).unsqueeze(axis), scale.narrow(axis, 0, full).unsqueeze(axis), out=out)
-        parts.append(out.flatten(axis - 1, axis))
-    if tail:
-        last = decode(codes.narrow(axis, full * group, tail), zero.narrow(axis, full, 1), scale.narrow(axis, full, 1))
-        parts.append(last.to(dtype))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)
+    """Decode ``codes`` whose groups run along ``axis`` into a new ``dtype`` tensor."""
+    grouped, zeros = per_group(codes, zero.float(), group, axis)
+    scales = per_group(codes, scale.float(), group, axis)[1]
+    return decode(grouped, zeros, scales).view(codes.shape).to(dtype)
 
 
-def round_trip(x: torch.Tensor, group: int, axis: int, bits: int) -> torch.Tensor:
-    """What ``x`` reads back as once quantised in groups along ``axis``, in ``x``'s dtype."""
-    codes, zero, scale = quantise_groups(x, group, axis, bits, scale_dtype(x.dtype))
-    return decode_groups(codes, zero, scale, group, axis, x.dtype)
+def round_trip(x: torch.Tensor, group: int, axis: int, bits: int, skip: int = 0) -> torch.Tensor:
+    """What ``x`` reads back as once quantised in groups along ``axis``, in ``x``'s dtype (the first
+    ``skip`` along it left out of the ranges and returned as they are)."""
+    codes, zero, scale = quantise_groups(x, group, axis, bits, scale_dtype(x.dtype), skip)
+    out = decode_groups(codes, zero, scale, group, axis, x.dtype)
+    if skip:
+        out.narrow(axis, 0, skip).copy_(x.narrow(axis, 0, skip))
+    return out
 
 
 # --- packing -----------------------------------------------------------------------------------
@@ -134,13 +146,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     """The ``width`` uint8 codes of each packed vector: its planes side by side (a new tensor, or a
-    view of one where the last byte's high planes are padding)."""
+    view of one where the last byte's high planes are padding). Four bytes are shifted and masked
+    at once where the packed width allows (an int32 view, the mask repeated in each byte)."""
     per = 8 // bits
     if per == 1:
         return packed
-    mask = (1 << bits) - 1
-    planes = [packed & mask]
-    planes += [(packed >> plane * bits) & mask for plane in range(1, per - 1)]
-    planes.append(packed >> (per - 1) * bits)  # the top plane needs no mask
-    out = torch.cat(planes, dim=-1)
+    words = packed.shape[-1] % 4 == 0 and packed.stride(-1) == 1 and packed.numel() > 0
+    source = packed.view(torch.int32) if words else packed
+    mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little") if words else (1 << bits) - 1
+    planes = [source & mask] + [(source >> plane * bits) & mask for plane in range(1, per)]
+    out = torch.cat([plane.view(torch.uint8) for plane in planes] if words else planes, dim=-1)
     return out if out.shape[-1] == width else out[..., :width]

@@ -43,8 +43,9 @@ from .residual import Departed, NativeResidual
 
 DEFAULT_GROUP = 32
 DEFAULT_RESIDUAL = 32
+DEFAULT_SINKS = 1
 KEY_AXES = ("channel", "token")
-OPTIONS = ("group_size", "residual", "key_axis")
+OPTIONS = ("group_size", "residual", "key_axis", "sinks")
 
 
 class QuantizedStorage(Storage):
@@ -52,8 +53,15 @@ class QuantizedStorage(Storage):
     and the newest ``residual`` tokens native (see the module)."""
 
     def __init__(
-        self, bits: int = 4, group_size: int = DEFAULT_GROUP, residual: int = DEFAULT_RESIDUAL, key_axis: str = "channel"
+        self,
+        bits: int = 4,
+        group_size: int = DEFAULT_GROUP,
+        residual: int = DEFAULT_RESIDUAL,
+        key_axis: str = "channel",
+        sinks: int | None = None,
     ) -> None:
+        """``sinks``: keys of the first slots held natively, out of their channel groups (default
+        ``DEFAULT_SINKS`` with channel keys; token keys take none: each is quantised on its own)."""
         super().__init__()
         if bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
@@ -68,23 +76,45 @@ class QuantizedStorage(Storage):
                 f"residual={residual}; raise it, lower group_size, or use key_axis='token'"
             )
         self.per_channel = key_axis == "channel"
-        self.keys: ChannelCodes | TokenCodes = (ChannelCodes if self.per_channel else TokenCodes)(bits, group_size)
+        if sinks is None:
+            sinks = DEFAULT_SINKS if self.per_channel else 0
+        self.sinks = check_int("sinks", sinks, minimum=0)
+        if sinks and not self.per_channel:
+            raise ValueError(
+                f"sinks={sinks} holds the first keys natively out of their channel groups, and key_axis='token' has "
+                "none (each key is quantised on its own): give sinks=0 with key_axis='token'"
+            )
+        self.keys: ChannelCodes | TokenCodes = ChannelCodes(bits, group_size, self.sinks) if self.per_channel else TokenCodes(bits, group_size)
         self.values = TokenCodes(bits, group_size)
         self.ring = NativeResidual(self.residual)
         self._stale_groups: set[int] | None = set()
         """Channel groups written since they were last quantised, while every write named ``int``
         slots (``None`` otherwise): a token leaving the residual from any other group needs no work."""
+        self._pending: set[int] | None = set()
+        """Slots the residual holds whose per-token codes (values, token-axis keys) are not written
+        yet, while every write names ``int`` slots (``None`` otherwise: each write quantises its
+        tokens). A read returns such a slot natively, so its codes can wait until it leaves the
+        residual; then every pending slot is quantised in one batch (one per ``residual`` appends,
+        where each token on its own would cost a few dozen small operations per layer and step)."""
 
     @classmethod
     def factory(
-        cls, bits: int = 4, group_size: int = DEFAULT_GROUP, residual: int = DEFAULT_RESIDUAL, key_axis: str = "channel"
+        cls,
+        bits: int = 4,
+        group_size: int = DEFAULT_GROUP,
+        residual: int = DEFAULT_RESIDUAL,
+        key_axis: str = "channel",
+        sinks: int | None = None,
     ) -> QuantizedFactory:
         """A zero-argument factory for ``storage=`` on any policy (the options are checked now)."""
-        checked = cls(bits, group_size, residual, key_axis)
-        return QuantizedFactory(checked.bits, checked.group_size, checked.residual, checked.key_axis)
+        checked = cls(bits, group_size, residual, key_axis, sinks)
+        return QuantizedFactory(checked.bits, checked.group_size, checked.residual, checked.key_axis, checked.sinks)
 
     def __repr__(self) -> str:
-        return f"QuantizedStorage(bits={self.bits}, group_size={self.group_size}, residual={self.residual}, key_axis={self.key_axis!r})"
+        return (
+            f"QuantizedStorage(bits={self.bits}, group_size={self.group_size}, residual={self.residual}, "
+            f"key_axis={self.key_axis!r}, sinks={self.sinks})"
+        )
 
     # --- the Storage interface ---------------------------------------------------------
     def check_positions(self, positions: int) -> None:
@@ -100,12 +130,13 @@ class QuantizedStorage(Storage):
         half = scale_dtype(like.dtype)
         self.dtype, self.device, self.capacity = like.dtype, like.device, capacity
         if self.per_channel:
-            self.keys.allocate(batch, heads, capacity, key_dim, half, like.device)
+            self.keys.allocate(batch, heads, capacity, key_dim, half, like.dtype, like.device)
         else:
             self.keys.allocate(batch, heads, capacity, key_dim, half, like.device, "key")
         self.values.allocate(batch, heads, capacity, value_dim, half, like.device, "value")
         self.ring.allocate(batch, heads, key_dim, value_dim, like.dtype, like.device)
         self._stale_groups = set()
+        self._pending = set() if self.residual else None
 
     @property
     def rows(self) -> int:
@@ -131,13 +162,70 @@ class QuantizedStorage(Storage):
         if not isinstance(slots, int):
             slots = slots.to(self.device)
         q = keys.shape[-2]
+        lazy = isinstance(slots, int) and self._pending is not None and self.ring.host_slots is not None
+        if lazy:  # the newest tokens the residual takes are quantised when they leave it
+            held = set(self.ring.host_slots)
+            taken = min(q, self.residual) if push and not held.issuperset(range(slots, slots + q)) else 0
+            self._quantise_tokens(slots, keys[:, :, : q - taken], values[:, :, : q - taken])
+            self._pending.difference_update(range(slots, slots + q - taken))
+            self._pending.update(range(slots + q - taken, slots + q))
+        else:
+            self._settle()
+            self._quantise_tokens(slots, keys, values)
+        leaving = self.ring.departing(min(q, self.residual) if push else 0) if isinstance(slots, int) else None
+        wanted = self._uses_departures(leaving, slots, q)
+        departed = self.ring.note(slots, torch.cat([keys, values], dim=-1), self.capacity, push, departures=wanted)
+        if lazy and departed is not None and self._pending.intersection(departed.host_slots):
+            self._flush(departed)
+        if self.per_channel:
+            self.keys.note_written(slots, keys)
+            self._code_keys(slots, keys, push, departed)
+
+    def _uses_departures(self, leaving: list[int] | None, slots: SlotIndex, q: int) -> bool:
+        """Whether this write needs the native copies its push overwrites: to quantise a pending slot
+        or a stale key group, as far as the host knows (``leaving``: the slots they shadow)."""
+        if leaving is None or self._stale_groups is None and self.per_channel:
+            return self.per_channel or self._pending is not None
+        if not leaving:
+            return False
+        if self._pending is not None and self._pending.intersection(leaving):
+            return True
+        if not self.per_channel:
+            return False
+        size = self.group_size
+        stale = self._stale_groups | set(range(slots // size, (slots + q - 1) // size + 1))
+        return any(slot >= 0 and slot // size in stale for slot in leaving)
+
+    def _quantise_tokens(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The per-token codes of these tokens: values, and keys where they are per token."""
+        if isinstance(slots, int) and not keys.shape[-2]:
+            return
         self.values.store(slots, values)
         if not self.per_channel:
             self.keys.store(slots, keys)
-        departed = self.ring.note(slots, torch.cat([keys, values], dim=-1), self.capacity, push, departures=self.per_channel)
-        if self.per_channel:
-            self.keys.note_written(slots, q)
-            self._code_keys(slots, keys, push, departed)
+
+    def _flush(self, departed: Departed | None = None) -> None:
+        """Quantise every pending slot from its native copy: in the residual, or among the entries a
+        push just overwrote."""
+        pending, self._pending = self._pending, set()
+        sources = [(self.ring.values, self.ring.host_slots)]
+        if departed is not None:
+            sources.append((departed.values, departed.host_slots))
+        slots, natives = [], []
+        for held, shadowed in sources:
+            positions = [p for p, slot in enumerate(shadowed) if slot in pending and slot not in slots]
+            if positions:
+                slots += [shadowed[p] for p in positions]
+                natives.append(held.index_select(2, torch.tensor(positions, device=self.device)))
+        if slots:
+            keys, values = self.ring.split(torch.cat(natives, dim=2))
+            self._quantise_tokens(torch.tensor(slots, device=self.device), keys, values)
+
+    def _settle(self) -> None:
+        """Per-token codes written for every slot (before a write the host cannot follow, or static steps)."""
+        if self._pending:
+            self._flush()
+        self._pending = None
 
     def _code_keys(self, slots: SlotIndex, keys: torch.Tensor, push: bool, departed: Departed | None) -> None:
         """Quantise the key groups that hold a token the residual no longer holds: the tokens of this
@@ -198,14 +286,15 @@ class QuantizedStorage(Storage):
     def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a read returns right after writing ``keys``/``values`` into an empty storage from
         slot 0 (allocated or not): all but the newest ``residual`` tokens decoded, key channel groups
-        starting at the first token (each over all its tokens, the native ones included)."""
+        starting at the first token (each over all its tokens, the native ones included, the sinks
+        left out and native)."""
         q = keys.shape[-2]
         old = q - self.residual
         if old <= 0:
             return keys, values
         size = self.group_size
         coded = min(q, -(-old // size) * size) if self.per_channel else old
-        seen_keys = round_trip(keys[:, :, :coded], size, -2 if self.per_channel else -1, self.bits)
+        seen_keys = round_trip(keys[:, :, :coded], size, -2 if self.per_channel else -1, self.bits, min(self.sinks, coded))
         seen_values = round_trip(values[:, :, :old], size, -1, self.bits)
         return (
             torch.cat([seen_keys[:, :, :old], keys[:, :, old:]], dim=-2),
@@ -232,6 +321,7 @@ class QuantizedStorage(Storage):
 
     # --- the static decode step ----------------------------------------------------------
     def enter_static(self) -> None:
+        self._settle()
         self.ring.enter_static(self.device)
         super().enter_static()
 
@@ -248,13 +338,11 @@ class QuantizedStorage(Storage):
         """:meth:`_write` with no host state: the key groups of every token leaving the residual
         (of every rewritten token) are quantised at each step; a group with no native token left
         to quantise is rewritten as it was."""
-        self.values.store(slots, values)
-        if not self.per_channel:
-            self.keys.store(slots, keys)
+        self._quantise_tokens(slots, keys, values)
         departed = self.ring.write_static(slots, torch.cat([keys, values], dim=-1), push)
         if not self.per_channel:
             return
-        self.keys.note_written(slots, keys.shape[-2])
+        self.keys.note_written(slots, keys)
         natives = self._native_keys(departed, every_entry=True)
         if push:
             groups = _groups_of(departed.slots, self.group_size, keys)
@@ -284,16 +372,17 @@ class QuantizedFactory:
     """Builds one layer's :class:`QuantizedStorage`; its repr is the call that made it.
 
     Registered as ``int8``/``int4``/``int2``, it also takes options in a spec:
-    ``storage="int4:group_size=64;residual=128;key_axis=token"``.
+    ``storage="int4:group_size=64;residual=128;key_axis=token"``, ``storage="int2:sinks=4"``.
     """
 
     bits: int
     group_size: int = DEFAULT_GROUP
     residual: int = DEFAULT_RESIDUAL
     key_axis: str = "channel"
+    sinks: int | None = None
 
     def __call__(self) -> QuantizedStorage:
-        return QuantizedStorage(self.bits, self.group_size, self.residual, self.key_axis)
+        return QuantizedStorage(self.bits, self.group_size, self.residual, self.key_axis, self.sinks)
 
     def from_options(self, options: str) -> QuantizedFactory:
         """The factory named by ``"group_size=64;residual=128;key_axis=token"`` (``;`` separates the
@@ -303,8 +392,8 @@ class QuantizedFactory:
             key, equals, raw = (part.strip() for part in item.partition("="))
             if not equals or key not in OPTIONS or key in kwargs:
                 raise ValueError(
-                    f"int{self.bits} storage options are group_size=<int>, residual=<int> and "
-                    f"key_axis=<{'|'.join(KEY_AXES)}>, separated by ';', each at most once; got {options!r}"
+                    f"int{self.bits} storage options are group_size=<int>, residual=<int>, "
+                    f"key_axis=<{'|'.join(KEY_AXES)}> and sinks=<int>, separated by ';', each at most once; got {options!r}"
                 )
             if key == "key_axis":
                 kwargs[key] = raw
@@ -319,5 +408,5 @@ class QuantizedFactory:
     def __repr__(self) -> str:
         return (
             f"QuantizedStorage.factory(bits={self.bits}, group_size={self.group_size}, residual={self.residual}, "
-            f"key_axis={self.key_axis!r})"
+            f"key_axis={self.key_axis!r}, sinks={self.sinks})"
         )

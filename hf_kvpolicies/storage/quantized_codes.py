@@ -16,6 +16,13 @@
   token falls outside widens to cover it, and that channel's survivors are re-rounded once onto
   the wider grid. Ranges widen only, until a group is all fresh again, so a survivor is
   re-rounded about as often as its group meets a new extreme, not at every write.
+
+  **Sinks.** The keys of the first ``sinks`` slots (where every retention writes first: the
+  stream's first tokens, a sink retention's sinks) are also held natively and read back exactly,
+  and take no part in their group's range. The first token draws attention far beyond its
+  content (the attention sink) and its key is an outlier in many channels: quantised with its
+  group, it loses most of its precision and widens the range of the group's other tokens
+  (IntactKV, Liu et al., 2024, keeps such pivot tokens in full precision for the same reason).
 """
 
 from __future__ import annotations
@@ -98,16 +105,21 @@ class ChannelCodes:
     and scales ``[batch, heads, groups, width]`` in half precision; ``written`` is one past the
     highest slot written, per row and head (slots past it hold nothing to quantise)."""
 
-    def __init__(self, bits: int, group: int) -> None:
-        self.bits, self.group = bits, group
+    def __init__(self, bits: int, group: int, sinks: int) -> None:
+        self.bits, self.group, self.sinks = bits, group, sinks
         self.width = self.capacity = 0
         self.codes: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.written: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None
+        """``[batch, heads, sinks, width]`` in the model's dtype: the keys of slots ``[0, sinks)``."""
 
-    def allocate(self, batch: int, heads: int, capacity: int, width: int, half: torch.dtype, device: torch.device) -> None:
+    def allocate(
+        self, batch: int, heads: int, capacity: int, width: int, half: torch.dtype, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.width, self.capacity = width, capacity
+        self.sink_keys = allocated((batch, heads, self.sinks, width), dtype, device, f"the {self.sinks} sink keys")
         groups = -(-capacity // self.group)
         slots = groups * self.group
         self.codes = allocated((batch, heads, slots, packed_width(width, self.bits)), torch.uint8, device, f"the key codes of {capacity} slots")
@@ -116,7 +128,7 @@ class ChannelCodes:
         self.written = allocated((batch, heads), torch.long, device, "the keys' written slots")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.zero, self.scale, self.written]
+        return [self.codes, self.zero, self.scale, self.written, self.sink_keys]
 
     def grow(self, capacity: int) -> None:
         groups = -(-capacity // self.group)
@@ -125,27 +137,47 @@ class ChannelCodes:
         self.capacity = capacity
 
     def reorder(self, batch_index: torch.Tensor) -> None:
-        self.codes, self.zero, self.scale, self.written = (t.index_select(0, batch_index) for t in self.tensors())
+        self.codes, self.zero, self.scale, self.written, self.sink_keys = (t.index_select(0, batch_index) for t in self.tensors())
 
-    def note_written(self, slots: SlotIndex, q: int) -> None:
-        """Advance ``written`` past ``slots`` (on the device: no value is read back)."""
+    def note_written(self, slots: SlotIndex, keys: torch.Tensor) -> None:
+        """Advance ``written`` past ``slots`` and keep the keys written to sink slots (on the
+        device, with no value read back)."""
+        q, sinks = keys.shape[-2], self.sinks
         if isinstance(slots, int):
             self.written.clamp_(min=slots + q)
-        else:  # [q] shared: a 0-d maximum; [batch, heads, q]: one per row and head
-            self.written.copy_(torch.maximum(self.written, slots.amax(dim=-1) + 1))
+            if slots < sinks:
+                count = min(sinks - slots, q)
+                self.sink_keys[:, :, slots : slots + count] = keys[:, :, :count]
+            return
+        self.written.copy_(torch.maximum(self.written, slots.amax(dim=-1) + 1))  # [q] shared: a 0-d maximum
+        if sinks:  # each sink slot takes the last key this write gives it
+            written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+            match = written.unsqueeze(-2) == torch.arange(sinks, device=keys.device).view(sinks, 1)
+            match = match.expand(*keys.shape[:2], sinks, q)
+            last = (match * torch.arange(1, q + 1, device=keys.device)).argmax(dim=-1)  # [b, h, sinks]
+            given = keys.gather(2, expand_slots(last, keys))
+            self.sink_keys.copy_(torch.where(match.any(dim=-1, keepdim=True), given, self.sink_keys))
 
     def read(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slots ``[0, length)`` decoded (their groups' current grids)."""
+        """Slots ``[0, length)`` decoded (their groups' current grids): the whole groups they touch
+        are decoded in one broadcast operation, and the first ``length`` slots returned (a view)."""
         groups = -(-length // self.group)
-        codes = unpack(self.codes[:, :, :length], self.bits, self.width)
-        return decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
+        codes = unpack(self.codes[:, :, : groups * self.group], self.bits, self.width)
+        decoded = decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
+        sinks = min(self.sinks, length)
+        decoded[:, :, :sinks] = self.sink_keys[:, :, :sinks]
+        return decoded[:, :, :length]
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``slots`` (``[n]`` or ``[batch, heads, n]``) decoded."""
+        """``slots`` (``[n]`` or ``[batch, heads, n]``) decoded, sink slots native."""
         codes = unpack(take(self.codes, slots), self.bits, self.width)
         groups = torch.div(slots, self.group, rounding_mode="floor")
         zero, scale = (take(t, groups).float() for t in (self.zero, self.scale))
-        return decode(codes, zero, scale).to(dtype)
+        decoded = decode(codes, zero, scale).to(dtype)
+        if not self.sinks:
+            return decoded
+        sink = take(self.sink_keys, slots.clamp(max=self.sinks - 1))
+        return torch.where((slots < self.sinks).unsqueeze(-1), sink.expand_as(decoded), decoded)
 
     def code(
         self,
@@ -173,7 +205,7 @@ class ChannelCodes:
         survivors = decode(codes, zero.unsqueeze(-2), scale.unsqueeze(-2))
         native, fresh = self._natives(members, natives, run)
         native = native.view(batch, heads, k, size, width)
-        written = members < self.written.unsqueeze(-1)
+        written = (members < self.written.unsqueeze(-1)) & (members >= self.sinks)  # sinks are held natively
         fresh = (fresh & written).view(batch, heads, k, size)
         surviving = (written.view(batch, heads, k, size) & ~fresh).any(dim=-1, keepdim=True)  # [b, h, k, 1]
         is_fresh = fresh.unsqueeze(-1)
@@ -221,12 +253,14 @@ class ChannelCodes:
         return 0 if self.codes is None else sum(t.nbytes for t in self.tensors())
 
     def bytes_held(self, tokens: int) -> int:
-        """Codes of ``tokens`` slots, the parameters of the groups they fill, and ``written``."""
+        """Codes of ``tokens`` slots, the parameters of the groups they fill, ``written``, and the
+        native keys of the sinks among them."""
         if self.codes is None:
             return 0
         groups = -(-tokens // self.group)
         per_group = self.zero[:, :, :1].nbytes + self.scale[:, :, :1].nbytes
-        return tokens * self.codes[:, :, :1].nbytes + groups * per_group + self.written.nbytes
+        sinks = min(tokens, self.sinks) * self.sink_keys[:, :, :1].nbytes
+        return tokens * self.codes[:, :, :1].nbytes + groups * per_group + self.written.nbytes + sinks
 
 
 def _grown(tensor: torch.Tensor, length: int) -> torch.Tensor:

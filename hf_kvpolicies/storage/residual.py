@@ -75,6 +75,15 @@ class NativeResidual:
         return None if self._shadowed is None else self._shadowed[: self.held]
 
     # --- eager writes --------------------------------------------------------------------
+    def departing(self, count: int) -> list[int] | None:
+        """The slots shadowed by the entries a push of ``count`` would overwrite (``-1``: an entry in
+        no use; none while the ring is not full), where the host knows them (``None`` otherwise)."""
+        if self._shadowed is None:
+            return None
+        if self.held + count <= self.size:
+            return []
+        return [self._shadowed[(self._next + offset) % self.size] for offset in range(count)]
+
     def note(
         self, slots: SlotIndex, fresh: torch.Tensor, capacity: int, push: bool = True, departures: bool = False
     ) -> Departed | None:
@@ -103,12 +112,10 @@ class NativeResidual:
         if not push:
             return None
         count = min(q, self.size)
-        ring = (self._next + torch.arange(count, device=fresh.device)) % self.size
         departed = None
         if departures and self.held + count > self.size:  # entries in use are overwritten
-            host = None
-            if self._shadowed is not None and isinstance(slots, int):
-                host = [self._shadowed[(self._next + offset) % self.size] for offset in range(count)]
+            host = self.departing(count) if isinstance(slots, int) else None
+            ring = (self._next + torch.arange(count, device=fresh.device)) % self.size
             departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring), host)
         if count == 1:
             self.values[:, :, self._next] = fresh[:, :, -1]
@@ -118,6 +125,7 @@ class NativeResidual:
                 tail = torch.arange(slots + q - count, slots + q, device=fresh.device)
             else:
                 tail = slots[..., q - count :]
+            ring = (self._next + torch.arange(count, device=fresh.device)) % self.size
             self.values[:, :, ring] = fresh[:, :, q - count :]
             self.slots[:, :, ring] = tail
         if self._shadowed is not None and isinstance(slots, int):
