@@ -30,7 +30,9 @@ from hf_kvpolicies.cache import PolicyCache
 
 def footprint(cache: Cache) -> int:
     """Bytes held by a cache: ours report it; transformers' caches are summed tensor by tensor
-    (tensors held in tuples too: a quantized layer keeps ``(payload, scale)`` pairs)."""
+    (tensors held in tuples too: a quantized layer keeps ``(payload, scale)`` pairs; a tensor
+    subclass, such as quanto's packed ``WeightQBitsTensor``, by the tensors it holds, since its own
+    ``nbytes`` is that of the dequantised shape)."""
     if hasattr(cache, "get_memory_footprint"):
         return cache.get_memory_footprint()
     return sum(t.nbytes for layer in cache.layers for t in _tensors(vars(layer).values()))
@@ -49,7 +51,9 @@ def held_bytes(cache: Cache) -> int | None:
 def _tensors(values) -> list[torch.Tensor]:
     found = []
     for value in values:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            found.extend(_tensors(getattr(value, name) for name in value.__tensor_flatten__()[0]))
+        elif isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, (tuple, list)):
             found.extend(_tensors(value))

@@ -1,8 +1,8 @@
 """hf-kvpolicies: pluggable KV-cache policies for Hugging Face Transformers.
 
 Two independent axes: *retention* (which tokens stay: full, window, sink, and the scored
-evictions H2O, SnapKV, TOVA, key norm, KVzip, Expected Attention, KeyDiff) and *storage* (how they are held: native dtype,
-fp8). Every policy is a ``transformers.Cache``:
+evictions H2O, SnapKV, TOVA, key norm, KVzip, Expected Attention, KeyDiff) and *storage* (how
+they are held: native dtype, fp8, int8/int4/int2). Every policy is a ``transformers.Cache``:
 
     cache = from_spec(model, "window:window=256")
     model.generate(**inputs, cache=cache)
@@ -21,7 +21,7 @@ from .policies.sink import SinkCache
 from .policies.snapkv import SnapKVCache
 from .policies.tova import TOVACache
 from .specs import available_policies, from_spec, parse_spec, register_policy
-from .storage import FP8Storage, available_storages, register_storage
+from .storage import FP8Storage, QuantizedStorage, available_storages, register_storage
 
 register_policy("full", FullCache)
 register_policy("window", SlidingWindowCache)
@@ -46,6 +46,7 @@ __all__ = [
     "KVzipCache",
     "PolicyCache",
     "PolicyLayer",
+    "QuantizedStorage",
     "ScoredCache",
     "SinkCache",
     "SlidingWindowCache",

@@ -38,14 +38,15 @@ full cache's largest difference there (the model's own batch noise)."""
 
 def specs() -> list[str]:
     """Every registered policy at ``BUDGET`` (each class maps it onto its keywords), under every
-    layer-budget rule it takes, in native and fp8 storage."""
+    layer-budget rule it takes, in native, fp8 and int4 storage (keys per token: exact per row;
+    per-channel keys, grouped along slots, are bounded in tests/test_quantized.py)."""
     chosen = []
     for name in available_policies():
         constructor = policy_constructor(name)
         budget = constructor.budget_parameters(BUDGET) or {}
         takes = inspect.signature(constructor).parameters
         rules = [{"layer_budgets": rule} for rule in LAYER_BUDGETS] if "layer_budgets" in takes else [{}]
-        storages = [{}, {"storage": "fp8:residual=4"}] if "storage" in takes else [{}]
+        storages = [{}, {"storage": "fp8:residual=4"}, {"storage": "int4:key_axis=token;residual=4"}] if "storage" in takes else [{}]
         for rule in rules:
             for storage in storages:
                 items = {**budget, **rule, **storage}

@@ -78,7 +78,12 @@ def kept_positions(cache) -> list[list[int]]:
     return kept
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8"])
+INT_STORAGE = "int4:group_size=4;residual=4"
+"""An integer storage whose key groups are quantised within the 64 steps (its default residual would
+hold most of them natively)."""
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", INT_STORAGE])
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_compiled_decoding_traces_once_and_matches_eager(name, storage, one_thread):
     model = tiny_llama()
@@ -198,12 +203,13 @@ def step_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8", "fp8:residual=3"])
+@pytest.mark.parametrize("storage", ["native", "fp8", "fp8:residual=3", INT_STORAGE, "int2:key_axis=token;residual=3"])
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_static_steps_give_the_logits_of_the_host_bookkept_path(name, storage, one_thread):
     """The static step (whole fixed buffer, device indices) and the eager update that the prefill
     and padded batches take (host slot bookkeeping) are two implementations of one policy: they
-    must agree step for step (fp8 included: which tokens its residual holds natively)."""
+    must agree step for step (fp8 and int included: which tokens the residual holds natively, when
+    a key group is quantised)."""
     model = tiny_llama()
     prompt = random_ids(1, PROMPT, seed=8)
     static, host = POLICIES[name](model, storage), POLICIES[name](model, storage)

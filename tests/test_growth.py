@@ -23,7 +23,7 @@ def held_bytes(layer) -> int:
     storage, live = layer.storage, layer.retention.live
     if hasattr(storage, "payload"):
         per_slot = storage.payload[:, :, :, :1].nbytes + storage.scales[:, :, :, :1].nbytes
-        fixed = sum(t.nbytes for t in (storage.residual_values, storage.residual_slots) if t is not None)
+        fixed = storage.ring.nbytes
     else:
         per_slot, fixed = storage.keys[:, :, :1].nbytes + storage.values[:, :, :1].nbytes, 0
     return live * (per_slot + POSITION_BYTES) + fixed

@@ -21,7 +21,8 @@ from hf_kvpolicies.specs import policy_constructor
 BUDGET = 8
 PROMPT = 14
 DECODE_STEPS = 4
-STORAGES = ("native", "fp8")
+STORAGES = ("native", "fp8", "int4:group_size=4;residual=4")
+"""The integer storage with a residual small enough that decode steps quantise key groups."""
 
 
 def cases():

@@ -22,7 +22,7 @@ class HeldLog:
 
     def add(self, task: str, cache: Cache, fed: int, rows: int) -> None:
         held = held_bytes(cache)
-        kept = cache.stored_tokens() if isinstance(cache, PolicyCache) else None
+        kept = cache.kept_tokens() if isinstance(cache, PolicyCache) else None
         self.tasks.setdefault(task, []).append((fed, kept, None if held is None else held // rows, footprint(cache) // rows, rows))
 
     def fields(self) -> dict[str, dict]:

@@ -1,12 +1,15 @@
-"""Storage formats, selected by name through ``storage=`` on every policy."""
+"""Storage formats, selected by name through ``storage=`` on every policy: native, fp8, and the
+KIVI-style integer storages int8, int4 and int2."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .affine import BITS
 from .base import Storage
 from .fp8 import FP8Storage
 from .native import NativeStorage
+from .quantized import QuantizedFactory, QuantizedStorage
 
 StorageFactory = Callable[[], Storage]
 
@@ -17,9 +20,13 @@ def register_storage(name: str, factory: StorageFactory) -> None:
     """Make ``storage=name`` available to every retention policy.
 
     A factory that also has ``from_options(text)`` (returning a factory) accepts options in the
-    name: ``storage="fp8:residual=16;dtype=e5m2"``.
+    name: ``storage="fp8:residual=16;dtype=e5m2"``, ``storage="int4:group_size=64;residual=128"``.
     """
     _STORAGES[name] = factory
+
+
+for _bits in BITS:
+    register_storage(f"int{_bits}", QuantizedFactory(_bits))
 
 
 def available_storages() -> list[str]:
@@ -47,6 +54,7 @@ def storage_factory(storage: str | StorageFactory) -> StorageFactory:
 __all__ = [
     "FP8Storage",
     "NativeStorage",
+    "QuantizedStorage",
     "Storage",
     "StorageFactory",
     "available_storages",

@@ -45,6 +45,7 @@ import torch
 
 from ..validation import check_int
 from .base import SlotIndex, Storage, allocated, expand_slots
+from .residual import NativeResidual
 
 DEFAULT_RESIDUAL = 32
 """Native tokens per layer by default, from ``python -m eval.benchmarks.fp8 --residual-sweep``
@@ -136,7 +137,7 @@ class FP8Storage(Storage):
     each write, read and reorder is one operation for both, and values are as wide as they are
     (multi-head latent attention: 192-wide keys, 128-wide values). Bytes per token and KV head:
     ``key_dim + value_dim`` (payload) + 2 (a scale for the key, one for the value); plus
-    ``residual`` native tokens and the slot each one shadows.
+    ``residual`` native tokens and the slot each one shadows (:class:`~.residual.NativeResidual`).
     """
 
     def __init__(self, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> None:
@@ -147,20 +148,8 @@ class FP8Storage(Storage):
         """``uint8 [batch, heads, capacity, key_dim + value_dim]``: the fp8 bytes of every slot."""
         self.scales: torch.Tensor | None = None
         """``uint8 [batch, heads, capacity, 2]``: E8M0 codes (key, value), scale ``2**(code - 127)``."""
-        self.residual_values: torch.Tensor | None = None
-        """``[batch, heads, residual, key_dim + value_dim]`` in the model's dtype: a ring of the latest writes."""
-        self.residual_slots: torch.Tensor | None = None
-        """``long [batch, heads, residual]``: the slot each residual entry shadows."""
+        self.ring = NativeResidual(self.residual)
         self.key_dim = 0  # keys fill the payload's first key_dim bytes, values the rest
-        self._held = 0  # residual entries in use (they fill [0, residual) in order)
-        self._next = 0  # ring position of the next entry
-        self._written_end = 0  # one past the highest slot ever written: reads that cover it need no filter
-        self._shadowed: list[int] | None = []  # sized at allocation
-        """Host copy of the slot each entry shadows while every write had ``int`` slots (then all
-        rows and heads agree); ``None`` once a per-row tensor of slots was written."""
-        self._ring: torch.Tensor | None = None
-        """Static steps: the device copy of ``_next`` (0-d long), advanced in place."""
-        self._push_always = False  # static steps: push every write (as after per-row writes)
 
     @classmethod
     def factory(cls, residual: int = DEFAULT_RESIDUAL, dtype: str | torch.dtype = "float8_e4m3fn") -> FP8Factory:
@@ -202,18 +191,12 @@ class FP8Storage(Storage):
 
     def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, key_dim = like.shape
-        width = key_dim + (value_dim or key_dim)
+        value_dim = value_dim or key_dim
+        width = key_dim + value_dim
         self.dtype, self.device, self.capacity, self.key_dim = like.dtype, like.device, capacity, key_dim
         self.payload = allocated((batch, heads, capacity, width), torch.uint8, like.device, f"the fp8 payload of {capacity} slots")
         self.scales = allocated((batch, heads, capacity, 2), torch.uint8, like.device, f"the fp8 scales of {capacity} slots")
-        if self.residual:
-            what = f"the fp8 residual of {self.residual} tokens"
-            self.residual_values = allocated((batch, heads, self.residual, width), like.dtype, like.device, what)
-            # -1: an entry in no use (static steps read every entry and skip these)
-            self.residual_slots = allocated((batch, heads, self.residual), torch.long, like.device, what, fill=-1)
-        self._held = self._next = self._written_end = 0
-        self._shadowed = [-1] * self.residual
-        self._ring = None
+        self.ring.allocate(batch, heads, key_dim, value_dim, like.dtype, like.device)
 
     @property
     def rows(self) -> int:
@@ -243,16 +226,10 @@ class FP8Storage(Storage):
         if isinstance(slots, int):
             self.payload[:, :, slots : slots + q] = payload
             self.scales[:, :, slots : slots + q] = codes
-            start, end = slots, slots + q
         else:
             slots = slots.to(self.device)
             self._store(slots, payload, codes)
-            # the slots' values stay on the device: assume the write may touch any slot
-            start, end = 0, self.capacity
-        unwritten = start >= self._written_end  # an append: no residual entry can shadow these slots
-        self._written_end = max(self._written_end, end)
-        if self.residual:
-            self._remember(slots, fresh, unwritten, push=new_tokens)
+        self.ring.note(slots, fresh, self.capacity, push=new_tokens)
 
     def _store(self, slots: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
         """Quantised tokens into device ``slots`` (``[q]`` shared, or ``[batch, heads, q]`` per row and head)."""
@@ -266,18 +243,9 @@ class FP8Storage(Storage):
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if length == 0:
             batch, heads, _, width = self.payload.shape
-            empty = torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device)
-            return self._split(empty)
+            return self.ring.split(torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device))
         keys, values = self._dequantise(self.payload[:, :, :length], self.scales[:, :, :length])
-        if self._held and length >= self._written_end:
-            # every entry shadows a slot inside the read, and entries that share a slot agree
-            held = self.residual_slots[:, :, : self._held]
-            native_keys, native_values = self._split(self.residual_values[:, :, : self._held])
-            keys.scatter_(2, expand_slots(held, keys), native_keys)
-            values.scatter_(2, expand_slots(held, values), native_values)
-        elif self._held:
-            keys, values = self._override(keys, values, torch.arange(length, device=self.device))
-        return keys, values
+        return self.ring.overlay(keys, values, length)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
@@ -287,9 +255,7 @@ class FP8Storage(Storage):
             payload = self.payload.gather(2, expand_slots(slots, self.payload))
             codes = self.scales.gather(2, expand_slots(slots, self.scales))
         keys, values = self._dequantise(payload, codes)
-        if self._held:
-            keys, values = self._override(keys, values, slots)
-        return keys, values
+        return self.ring.override(keys, values, slots)
 
     def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded from fp8, but the newest ``residual`` tokens native, as a write then a read gives."""
@@ -307,14 +273,11 @@ class FP8Storage(Storage):
         batch_index = batch_index.to(self.device)
         self.payload = self.payload.index_select(0, batch_index)
         self.scales = self.scales.index_select(0, batch_index)
-        if self.residual:
-            self.residual_values = self.residual_values.index_select(0, batch_index)
-            self.residual_slots = self.residual_slots.index_select(0, batch_index)
+        self.ring.reorder(batch_index)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.payload, self.scales, self.residual_values, self.residual_slots)
-        return sum(t.nbytes for t in tensors if t is not None)
+        return sum(t.nbytes for t in (self.payload, self.scales) if t is not None) + self.ring.nbytes
 
     def bytes_held(self, tokens: int) -> int:
         """Payload and scales of ``tokens`` slots, plus the native copies of the residual in use."""
@@ -322,26 +285,18 @@ class FP8Storage(Storage):
             return 0
         batch, heads, _, width = self.payload.shape
         held = tokens * batch * heads * (width + self.scales.shape[-1])  # a byte per element, one per scale
-        if self.residual:
-            native = width * self.residual_values.element_size() + self.residual_slots.element_size()
-            held += min(tokens, self.residual) * batch * heads * native
-        return held
+        return held + self.ring.bytes_held(tokens)
 
     # --- the static decode step ----------------------------------------------------------
     def enter_static(self) -> None:
-        if self._ring is None:
-            self._ring = torch.zeros((), dtype=torch.long, device=self.device)
-        self._ring.fill_(self._next)
-        self._push_always = self._shadowed is None
+        self.ring.enter_static(self.device)
         super().enter_static()
 
     def static_tensors(self) -> list[torch.Tensor]:
-        tensors = [self.payload, self.scales, self._ring]
-        return tensors + ([self.residual_values, self.residual_slots] if self.residual else [])
+        return [self.payload, self.scales, *self.ring.static_tensors()]
 
     def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The residual rules of :meth:`_remember`, decided on the device: entries shadowing a written
-        slot take its content; a write of shared slots that were all shadowed already pushes nothing."""
+        """The residual's rules, decided on the device (:meth:`~.residual.NativeResidual.write_static`)."""
         self._write_static(slots, keys, values, push=True)
 
     def rewrite_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -350,58 +305,14 @@ class FP8Storage(Storage):
 
     def _write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, push: bool) -> None:
         fresh = torch.cat([keys, values], dim=-1)
-        payload, codes = self._quantise(fresh)
-        self._store(slots, payload, codes)
-        if not self.residual:
-            return
-        q = fresh.shape[-2]
-        written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
-        match = self.residual_slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, residual, q]
-        source = match.to(torch.uint8).argmax(dim=-1)
-        refreshed = fresh.gather(2, expand_slots(source, fresh))
-        self.residual_values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.residual_values))
-        if not push:
-            return
-        count = min(q, self.residual)
-        ring = (self._ring + torch.arange(count, device=self.device)) % self.residual
-        new_values = fresh[:, :, q - count :]
-        new_slots = written[..., q - count :].expand(*fresh.shape[:2], count)
-        if self._push_always or slots.dim() > 1:
-            advance = torch.full_like(self._ring, count)
-        else:  # shared slots, every one shadowed already: refreshed in place, nothing pushed
-            covered = match.any(dim=-2).all()
-            new_values = torch.where(covered, self.residual_values.index_select(2, ring), new_values)
-            new_slots = torch.where(covered, self.residual_slots.index_select(2, ring), new_slots)
-            advance = (~covered).long() * count
-        self.residual_values.index_copy_(2, ring, new_values)
-        self.residual_slots.index_copy_(2, ring, new_slots)
-        self._ring.copy_((self._ring + advance) % self.residual)
+        self._store(slots, *self._quantise(fresh))
+        self.ring.write_static(slots, fresh, push)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scattered straight into the decoded buffers: entries in no use (``-1``) repeat entry 0,
-        which every static step's write has filled by the time it reads (the first push lands
-        there), and entries that share a slot agree, so they write nothing new and no copy of the
-        whole buffer is needed."""
-        keys, values = self._dequantise(self.payload, self.scales)
-        if not self.residual:
-            return keys, values
-        used = self.residual_slots >= 0
-        index = torch.where(used, self.residual_slots, self.residual_slots[..., :1])
-        native = torch.where(used.unsqueeze(-1), self.residual_values, self.residual_values[..., :1, :])
-        native_keys, native_values = self._split(native)
-        keys.scatter_(2, expand_slots(index, keys), native_keys)
-        values.scatter_(2, expand_slots(index, values), native_values)
-        return keys, values
+        return self.ring.overlay_static(*self._dequantise(self.payload, self.scales))
 
     def leave_static(self) -> None:
-        """The residual's host bookkeeping from the device (one read, outside decode steps)."""
-        if not self.residual or self._ring is None:
-            return
-        shadowed = self.residual_slots[0, 0].tolist()
-        self._held = sum(slot >= 0 for slot in shadowed)
-        self._next = int(self._ring)
-        self._shadowed = None if self._push_always else shadowed
-        self._written_end = self.capacity  # static writes may have touched any slot
+        self.ring.leave_static(self.capacity)
 
     # --- keys and values side by side --------------------------------------------------
     def _quantise(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,78 +330,6 @@ class FP8Storage(Storage):
         values = self.format.dequantise(payload[..., self.key_dim :], codes[..., 1:], self.dtype)
         return keys, values
 
-    def _split(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return out[..., : self.key_dim], out[..., self.key_dim :]
-
-    # --- the residual ------------------------------------------------------------------
-    def _remember(self, slots: SlotIndex, fresh: torch.Tensor, unwritten: bool, push: bool) -> None:
-        """Keep native copies of what was just written.
-
-        Invariant: every entry in use holds the current content of the slot it shadows. So
-        entries whose slot this write overwrites take the new content first (several entries may
-        shadow one slot: they agree, and a read may scatter them in any order). Then the newest
-        ``min(q, residual)`` tokens are pushed into the ring, unless every slot written was
-        shadowed already: a rewrite of shadowed slots (re-rotated sinks, a ring smaller than the
-        residual) refreshes them in place and does not push fresher tokens out, nor does a
-        :meth:`rewrite` (sinks re-rotated or moved, which are no new tokens). Which slots are
-        shadowed is known on the host while writes name ``int`` slots; a per-row tensor of slots
-        (H2O) stays on the device, so such a write refreshes with a select and always pushes.
-        """
-        q = fresh.shape[-2]
-        if self._held and not unwritten:
-            if self._shadowed is None or not isinstance(slots, int):  # per-row slots: refresh on the device, always push
-                self._refresh(slots, fresh)
-            else:  # int slots: which entries they hit is known on the host
-                held, written = set(self._shadowed[: self._held]), range(slots, slots + q)
-                if not held.isdisjoint(written):
-                    self._refresh(slots, fresh)
-                if held.issuperset(written):
-                    return
-        if not push:
-            return
-        count = min(q, self.residual)
-        if count == 1:
-            self.residual_values[:, :, self._next] = fresh[:, :, -1]
-            self.residual_slots[:, :, self._next] = slots + q - 1 if isinstance(slots, int) else slots[..., -1]
-        else:
-            ring = (self._next + torch.arange(count, device=self.device)) % self.residual
-            if isinstance(slots, int):
-                tail = torch.arange(slots + q - count, slots + q, device=self.device)
-            else:
-                tail = slots[..., q - count :]
-            self.residual_values[:, :, ring] = fresh[:, :, q - count :]
-            self.residual_slots[:, :, ring] = tail
-        if self._shadowed is not None and isinstance(slots, int):
-            for offset, slot in enumerate(range(slots + q - count, slots + q)):
-                self._shadowed[(self._next + offset) % self.residual] = slot
-        else:
-            self._shadowed = None
-        self._next = (self._next + count) % self.residual
-        self._held = min(self.residual, self._held + count)
-
-    def _refresh(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
-        """Entries whose slot this write overwrites take the new content (no read-back: a select)."""
-        held = self.residual_slots[:, :, : self._held]
-        match = _shadowing(held, slots, fresh.shape[-2])  # [batch, heads, held, q]
-        shadowed = match.any(dim=-1)
-        source = match.to(torch.uint8).argmax(dim=-1)
-        current = self.residual_values[:, :, : self._held]
-        new = fresh.gather(2, expand_slots(source, fresh))
-        self.residual_values[:, :, : self._held] = torch.where(shadowed[..., None], new, current)
-
-    def _override(
-        self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded ``slots`` (``[n]`` or ``[batch, heads, n]``) with the residual's slots made native."""
-        held = self.residual_slots[:, :, : self._held]
-        wanted = slots.view(1, 1, -1) if slots.dim() == 1 else slots
-        match = wanted.unsqueeze(-1) == held.unsqueeze(-2)  # [batch, heads, n, held]
-        found = match.any(dim=-1, keepdim=True)
-        entry = match.to(torch.uint8).argmax(dim=-1)
-        residual = self.residual_values[:, :, : self._held]
-        native_keys, native_values = self._split(residual.gather(2, expand_slots(entry, residual)))
-        return torch.where(found, native_keys, keys), torch.where(found, native_values, values)
-
 
 @dataclass(frozen=True)
 class FP8Factory:
@@ -505,11 +344,3 @@ class FP8Factory:
     def __repr__(self) -> str:
         return f"FP8Storage.factory(residual={self.residual}, dtype={self.dtype!r})"
 
-
-def _shadowing(held: torch.Tensor, slots: SlotIndex, q: int) -> torch.Tensor:
-    """``[batch, heads, held, q]``: residual entry ``i`` shadows the slot that new token ``j`` is written to."""
-    if isinstance(slots, int):
-        written = slots if q == 1 else torch.arange(slots, slots + q, device=held.device)
-    else:
-        written = slots.view(1, 1, 1, -1) if slots.dim() == 1 else slots.unsqueeze(-2)
-    return held.unsqueeze(-1) == written

@@ -1,0 +1,272 @@
+"""The native residual: the most recently written tokens of a slot-addressed storage, also held
+in the model's own precision (KIVI's residual), so that reads return them exactly.
+
+A ring of native copies, each with the slot it shadows, filled in write order (write recency, not
+slot order). A write to slots that the ring already shadows (a re-rotated sink, a ring retention
+smaller than the residual) refreshes those copies in place rather than pushing fresher tokens out,
+and a :meth:`NativeResidual.note` with ``push=False`` (a rewrite: no new token) only refreshes.
+
+Keys and values are held side by side, ``[batch, kv_heads, size, key_dim + value_dim]``, so each
+push, refresh and reorder is one operation for both. A storage that must act on the tokens leaving
+the ring (the quantised storage codes their key groups then) asks :meth:`NativeResidual.note` and
+:meth:`NativeResidual.write_static` for the entries each push overwrites (:class:`Departed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import SlotIndex, allocated, expand_slots
+
+
+@dataclass
+class Departed:
+    """Ring entries a push overwrote: the slot each shadowed (``[batch, heads, n]``, ``-1`` where the
+    entry was in no use or was not overwritten) and its native content ``[batch, heads, n, width]``.
+    ``host_slots``: the same slots as host ints where every write so far named ``int`` slots."""
+
+    slots: torch.Tensor
+    values: torch.Tensor
+    host_slots: list[int] | None = None
+
+
+class NativeResidual:
+    """Native copies of the last ``size`` tokens written to one layer's storage.
+
+    Invariant: every entry in use holds the current content of the slot it shadows (entries that
+    shadow one slot agree, so a read may scatter them in any order). Which slots are shadowed is
+    known on the host while writes name ``int`` slots (then all rows and heads agree); a per-row
+    tensor of slots (H2O) stays on the device, and such a write always pushes.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: torch.Tensor | None = None
+        """``[batch, heads, size, key_dim + value_dim]`` in the model's dtype: the latest writes."""
+        self.slots: torch.Tensor | None = None
+        """``long [batch, heads, size]``: the slot each entry shadows (``-1``: an entry in no use)."""
+        self.key_dim = 0
+        self.held = 0  # entries in use (they fill [0, size) in order)
+        self._next = 0  # ring position of the next entry
+        self.written_end = 0
+        """One past the highest slot ever written: reads that cover it need no filter."""
+        self._shadowed: list[int] | None = []
+        """Host copy of the slot each entry shadows while every write had ``int`` slots; ``None``
+        once a per-row tensor of slots was written."""
+        self._ring: torch.Tensor | None = None
+        """Static steps: the device copy of ``_next`` (0-d long), advanced in place."""
+        self._push_always = False  # static steps: push every write (as after per-row writes)
+
+    def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key_dim = key_dim
+        if self.size:
+            what = f"the native residual of {self.size} tokens"
+            self.values = allocated((batch, heads, self.size, key_dim + value_dim), dtype, device, what)
+            self.slots = allocated((batch, heads, self.size), torch.long, device, what, fill=-1)
+        self.held = self._next = self.written_end = 0
+        self._shadowed = [-1] * self.size
+        self._ring = None
+
+    @property
+    def host_slots(self) -> list[int] | None:
+        """The slot each entry in use shadows, where the host knows it (``None`` otherwise)."""
+        return None if self._shadowed is None else self._shadowed[: self.held]
+
+    # --- eager writes --------------------------------------------------------------------
+    def departing(self, count: int) -> list[int] | None:
+        """The slots shadowed by the entries a push of ``count`` would overwrite (``-1``: an entry in
+        no use; none while the ring is not full), where the host knows them (``None`` otherwise)."""
+        if self._shadowed is None:
+            return None
+        if self.held + count <= self.size:
+            return []
+        return [self._shadowed[(self._next + offset) % self.size] for offset in range(count)]
+
+    def note(
+        self, slots: SlotIndex, fresh: torch.Tensor, capacity: int, push: bool = True, departures: bool = False
+    ) -> Departed | None:
+        """Keep native copies of ``fresh`` (``[batch, heads, q, width]``) just written to ``slots``.
+
+        Entries whose slot this write overwrites take the new content first. Then the newest
+        ``min(q, size)`` tokens are pushed, unless every slot written was shadowed already (a
+        rewrite of shadowed slots refreshes them in place and pushes nothing), or ``push`` is false.
+        ``departures``: return the entries the push overwrote (``None`` when nothing was pushed).
+        """
+        q = fresh.shape[-2]
+        start, end = (slots, slots + q) if isinstance(slots, int) else (0, capacity)  # device slots may touch any slot
+        unwritten = start >= self.written_end  # an append: no entry can shadow these slots
+        self.written_end = max(self.written_end, end)
+        if not self.size:
+            return None
+        if self.held and not unwritten:
+            if self._shadowed is None or not isinstance(slots, int):  # per-row slots: refresh on the device, always push
+                self._refresh(slots, fresh)
+            else:  # int slots: which entries they hit is known on the host
+                held, written = set(self._shadowed[: self.held]), range(slots, slots + q)
+                if not held.isdisjoint(written):
+                    self._refresh(slots, fresh)
+                if held.issuperset(written):
+                    return None
+        if not push:
+            return None
+        count = min(q, self.size)
+        departed = None
+        if departures and self.held + count > self.size:  # entries in use are overwritten
+            host = self.departing(count) if isinstance(slots, int) else None
+            ring = (self._next + torch.arange(count, device=fresh.device)) % self.size
+            departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring), host)
+        if count == 1:
+            self.values[:, :, self._next] = fresh[:, :, -1]
+            self.slots[:, :, self._next] = slots + q - 1 if isinstance(slots, int) else slots[..., -1]
+        else:
+            if isinstance(slots, int):
+                tail = torch.arange(slots + q - count, slots + q, device=fresh.device)
+            else:
+                tail = slots[..., q - count :]
+            ring = (self._next + torch.arange(count, device=fresh.device)) % self.size
+            self.values[:, :, ring] = fresh[:, :, q - count :]
+            self.slots[:, :, ring] = tail
+        if self._shadowed is not None and isinstance(slots, int):
+            for offset, slot in enumerate(range(slots + q - count, slots + q)):
+                self._shadowed[(self._next + offset) % self.size] = slot
+        else:
+            self._shadowed = None
+        self._next = (self._next + count) % self.size
+        self.held = min(self.size, self.held + count)
+        return departed
+
+    def _refresh(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
+        """Entries whose slot this write overwrites take the new content (no read-back: a select)."""
+        held = self.slots[:, :, : self.held]
+        match = _shadowing(held, slots, fresh.shape[-2])  # [batch, heads, held, q]
+        shadowed = match.any(dim=-1)
+        source = match.to(torch.uint8).argmax(dim=-1)
+        current = self.values[:, :, : self.held]
+        new = fresh.gather(2, expand_slots(source, fresh))
+        self.values[:, :, : self.held] = torch.where(shadowed[..., None], new, current)
+
+    # --- reads ---------------------------------------------------------------------------
+    def overlay(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[0, length)`` decoded by the storage, with the shadowed ones made native."""
+        if not self.held:
+            return keys, values
+        if length >= self.written_end:  # every entry shadows a slot inside the read
+            held = self.slots[:, :, : self.held]
+            native_keys, native_values = self.split(self.values[:, :, : self.held])
+            keys.scatter_(2, expand_slots(held, keys), native_keys)
+            values.scatter_(2, expand_slots(held, values), native_values)
+            return keys, values
+        return self.override(keys, values, torch.arange(length, device=keys.device))
+
+    def override(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded ``slots`` (``[n]`` or ``[batch, heads, n]``) with the shadowed ones made native."""
+        if not self.held:
+            return keys, values
+        held = self.slots[:, :, : self.held]
+        wanted = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+        match = wanted.unsqueeze(-1) == held.unsqueeze(-2)  # [batch, heads, n, held]
+        found = match.any(dim=-1, keepdim=True)
+        entry = match.to(torch.uint8).argmax(dim=-1)
+        residual = self.values[:, :, : self.held]
+        native_keys, native_values = self.split(residual.gather(2, expand_slots(entry, residual)))
+        return torch.where(found, native_keys, keys), torch.where(found, native_values, values)
+
+    def split(self, side_by_side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return side_by_side[..., : self.key_dim], side_by_side[..., self.key_dim :]
+
+    # --- the static decode step ------------------------------------------------------------
+    def enter_static(self, device: torch.device) -> None:
+        if self._ring is None:
+            self._ring = torch.zeros((), dtype=torch.long, device=device)
+        self._ring.fill_(self._next)
+        self._push_always = self._shadowed is None
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [self._ring, self.values, self.slots] if self.size else [self._ring]
+
+    def write_static(self, slots: torch.Tensor, fresh: torch.Tensor, push: bool) -> Departed | None:
+        """The rules of :meth:`note`, decided on the device: entries shadowing a written slot take
+        its content; a write of shared slots that were all shadowed already pushes nothing.
+        Returns the entries the push overwrote (slot ``-1`` where none was)."""
+        if not self.size:
+            return None
+        q = fresh.shape[-2]
+        written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+        match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
+        source = match.to(torch.uint8).argmax(dim=-1)
+        refreshed = fresh.gather(2, expand_slots(source, fresh))
+        self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
+        if not push:
+            return None
+        count = min(q, self.size)
+        ring = (self._ring + torch.arange(count, device=fresh.device)) % self.size
+        new_values = fresh[:, :, q - count :]
+        new_slots = written[..., q - count :].expand(*fresh.shape[:2], count)
+        old_values, old_slots = self.values.index_select(2, ring), self.slots.index_select(2, ring)
+        if self._push_always or slots.dim() > 1:
+            advance = torch.full_like(self._ring, count)
+            departed = Departed(old_slots, old_values)
+        else:  # shared slots, every one shadowed already: refreshed in place, nothing pushed
+            covered = match.any(dim=-2).all()
+            new_values = torch.where(covered, old_values, new_values)
+            new_slots = torch.where(covered, old_slots, new_slots)
+            advance = (~covered).long() * count
+            departed = Departed(old_slots.masked_fill(covered, -1), old_values)
+        self.values.index_copy_(2, ring, new_values)
+        self.slots.index_copy_(2, ring, new_slots)
+        self._ring.copy_((self._ring + advance) % self.size)
+        return departed
+
+    def overlay_static(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry scattered into the decoded buffers: entries in no use (``-1``) repeat entry 0,
+        which every static step's write has filled by the time it reads (the first push lands
+        there), and entries that share a slot agree, so they write nothing new and no copy of the
+        whole buffer is needed."""
+        if not self.size:
+            return keys, values
+        used = self.slots >= 0
+        index = torch.where(used, self.slots, self.slots[..., :1])
+        native = torch.where(used.unsqueeze(-1), self.values, self.values[..., :1, :])
+        native_keys, native_values = self.split(native)
+        keys.scatter_(2, expand_slots(index, keys), native_keys)
+        values.scatter_(2, expand_slots(index, values), native_values)
+        return keys, values
+
+    def leave_static(self, capacity: int) -> None:
+        """The host bookkeeping from the device (one read, outside decode steps)."""
+        if not self.size or self._ring is None:
+            return
+        shadowed = self.slots[0, 0].tolist()
+        self.held = sum(slot >= 0 for slot in shadowed)
+        self._next = int(self._ring)
+        self._shadowed = None if self._push_always else shadowed
+        self.written_end = capacity  # static writes may have touched any slot
+
+    # --- rows and bytes --------------------------------------------------------------------
+    def reorder(self, batch_index: torch.Tensor) -> None:
+        if self.size:
+            self.values = self.values.index_select(0, batch_index)
+            self.slots = self.slots.index_select(0, batch_index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.values, self.slots) if t is not None)
+
+    def bytes_held(self, tokens: int) -> int:
+        """The native copies that ``tokens`` kept tokens use (the ring holds at most ``size``)."""
+        if self.values is None:
+            return 0
+        batch, heads, _, width = self.values.shape
+        per_entry = width * self.values.element_size() + self.slots.element_size()
+        return min(tokens, self.size) * batch * heads * per_entry
+
+
+def _shadowing(held: torch.Tensor, slots: SlotIndex, q: int) -> torch.Tensor:
+    """``[batch, heads, held, q]``: residual entry ``i`` shadows the slot that new token ``j`` is written to."""
+    if isinstance(slots, int):
+        written = slots if q == 1 else torch.arange(slots, slots + q, device=held.device)
+    else:
+        written = slots.view(1, 1, 1, -1) if slots.dim() == 1 else slots.unsqueeze(-2)
+    return held.unsqueeze(-1) == written
