@@ -57,6 +57,8 @@ class Settings:
     ratios: tuple[float, ...] = ()
     qa_samples: int = 20
     qa_max_tokens: int = 2048
+    chat_template: bool = False
+    """Whether recall and QA prompts are wrapped in the tokenizer's chat template, turn by turn."""
     device: str = "auto"
     dtype: str = "auto"
     device_map: str | None = None
