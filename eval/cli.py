@@ -37,6 +37,9 @@ examples:
   {PROG} eval --ratios 0.5 0.25 0.125 --protocol context --task niah_single --out results-ratios
   # long-document QA from a local JSONL of {{context, input, answers}} (or --dataset longbench:qasper with the Hub)
   {PROG} eval --dataset qa.jsonl --task qa --out results-qa
+  # one context, several questions: 4 needles asked in turn of one cache, and each of its own copy, in the chat template
+  {PROG} eval --policy full --policy snapkv --policy kvzip --budgets 256 --lengths 2048 --task niah_multiturn:turns=4 \
+      --protocol multiturn --protocol multiquery --chat-template --out results-turns
   # fast mode: perplexity only, 4,000 tokens, 512 per forward (exact for these two policies)
   {PROG} eval --policy full --policy "sink:sink_tokens=4,window=1020,positions=absolute" --task perplexity --tokens 4000 --chunk-size 512
   # a Hub model on a GPU, on WikiText-2
@@ -191,6 +194,7 @@ def build_parser() -> Parser:
     budget.add_argument("--budgets", type=_integer(1), nargs="*", default=list(defaults.budgets), metavar="B", help="total kept tokens per layer at which each bounded policy without explicit budget parameters runs (each class maps a budget onto its parameters; a spec with them keeps them); none: no sweep (default: %(default)s); e.g. --budgets 64 128 256 512")
     budget.add_argument("--ratios", type=_ratio, nargs="+", metavar="R", help="fractions of the context kept, instead of --budgets; e.g. --ratios 0.5 0.25 0.125")
     _qa_options(run, defaults)
+    run.add_argument("--chat-template", action="store_true", help="wrap recall and QA prompts in the tokenizer's chat template, each question a user message and each answer the assistant's (default: plain text); e.g. --chat-template --protocol multiturn --task niah_multiturn")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device, help="where to run (default: %(default)s: cuda if available); e.g. --device cpu")
     run.add_argument("--dtype", choices=("auto", *DTYPES), default=defaults.dtype, help="model dtype (default: %(default)s: float32 on CPU, bfloat16 on CUDA); e.g. --dtype float16")
     run.add_argument("--device-map", help="spread a large model over the GPUs with accelerate, e.g. --device-map auto")

@@ -12,6 +12,17 @@
 - ``last-token-kept`` (kvpress's pipeline as its needle runs use it): every prompt token but the
   last goes through one forward and is trimmed; the last is then decoded from what was kept, so
   even the first answer token sees only the kept tokens.
+- ``multiturn`` (SCBench's multi-turn mode): the context goes through one forward and is trimmed;
+  then the questions are asked in turn, as a chat continues: each question in one forward through
+  the same cache (after the previous answer and the framing's ``between``), its answer decoded
+  through it token by token until it ends, every answer token fed, so what the cache evicts while
+  answering counts for the next turn.
+- ``multiquery`` (kvpress's several questions per context; SCBench's multi-request mode): the
+  context goes through one forward and is trimmed once; each question is then asked on its own of
+  a copy of that cache (:func:`~eval.cache_copy.copy_cache`) and its answer decoded until it ends.
+
+Under the last two an answer ends where the case's :class:`~eval.dialogue.Framing` says (its
+first line, or an end-of-turn token), not after a fixed number of tokens.
 
 A cache that keeps every token in native precision gives the same answers under every protocol
 whose :attr:`Protocol.lossless_same` holds (:func:`protocol_independent`), so the sweep runs it
@@ -38,6 +49,8 @@ from hf_kvpolicies.cache import PolicyCache
 from hf_kvpolicies.model_layout import layer_layouts
 from hf_kvpolicies.specs import policy_constructor
 
+from .cache_copy import copy_cache
+from .dialogue import Framing, plain
 from .memory import footprint, held_bytes
 from .stream import feed
 
@@ -51,7 +64,8 @@ class Answers:
     texts: list[str]
     fed_tokens: int
     """Tokens of each prompt that went through the cache under the budget (the prompt; the
-    context alone under ``context``; all but the last token under ``last-token-kept``)."""
+    context alone under ``context``; all but the last token under ``last-token-kept``; under
+    ``multiturn`` the conversation up to this turn's question)."""
     kept_tokens: int | None
     """Tokens the first governed layer held then (``None`` for caches that are not ours)."""
     held_bytes: int | None
@@ -79,6 +93,13 @@ class Protocol:
     (then one run of such a cache stands for every such protocol)."""
     chunked: bool = False
     """Whether prompts go through in chunks of ``--chunk-size`` (exact or labelled approximate)."""
+    shares_context: bool = False
+    """Whether :meth:`answer` asks a case's questions together, of one context (the tasks pass them
+    all at once); else each question is asked on its own, with the context before it."""
+    lockstep: bool = True
+    """Whether the rows of a batch go through every forward together. A conversation's rows part
+    at the first answer (answers end where they end), so the tasks give such a protocol one row
+    at a time."""
 
     def check(self, model: PreTrainedModel) -> None:
         """``ValueError`` where this protocol cannot run exactly on ``model``."""
@@ -97,10 +118,13 @@ class Protocol:
         make_cache: CacheFactory,
         new_tokens: int,
         chunk: int = 1,
+        framing: Framing | None = None,
     ) -> list[Answers]:
         """Greedy answers to ``[batch, n]`` contexts each followed by each ``[batch, m]`` question
         (rows of equal lengths), one :class:`Answers` per question; here each question is asked
-        on its own, through a cache of its own."""
+        on its own, through a cache of its own, and its answer is the first line of ``new_tokens``
+        decoded tokens. ``framing`` (plain text if not given) joins the turns of a conversation
+        and ends answers for the protocols that share a context."""
         self.check(model)
         found = []
         for question in questions:
@@ -134,7 +158,7 @@ class Streamed(Protocol):
         prompt = torch.cat([context, question], dim=1)
         for _, _, logits in feed(model, prompt, cache, chunk, every_logit=False):
             pass
-        return Filled(logits, cache, _state(cache, prompt))
+        return Filled(logits, cache, _state(cache, *prompt.shape))
 
 
 class Prefill(Protocol):
@@ -144,7 +168,7 @@ class Prefill(Protocol):
     def fill(self, model, context, question, cache, chunk):
         prompt = torch.cat([context, question], dim=1)
         logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-        return Filled(logits, cache, _state(cache, prompt))
+        return Filled(logits, cache, _state(cache, *prompt.shape))
 
 
 class ContextOnly(Protocol):
@@ -161,7 +185,7 @@ class ContextOnly(Protocol):
 
     def fill(self, model, context, question, cache, chunk):
         model(context, cache=cache, use_cache=True, logits_to_keep=1)
-        state = _state(cache, context)
+        state = _state(cache, *context.shape)
         logits, frozen = _outside_budget(model, cache, question)
         return Filled(logits, frozen, state, start=context.shape[1] + question.shape[1])
 
@@ -173,9 +197,78 @@ class LastTokenKept(Protocol):
     def fill(self, model, context, question, cache, chunk):
         prompt = torch.cat([context, question], dim=1)
         model(prompt[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
-        state = _state(cache, prompt[:, :-1])
+        state = _state(cache, *prompt[:, :-1].shape)
         logits = model(prompt[:, -1:], cache=cache, use_cache=True).logits
         return Filled(logits, cache, state)
+
+
+class SharedContext(Protocol):
+    """A protocol that prefills one context for several questions, and ends each answer where the
+    framing says."""
+
+    whole_prompt = False
+    lossless_same = False  # its answers end where they end, not after a fixed number of tokens
+    shares_context = True
+
+    @staticmethod
+    def _prefill(model: PreTrainedModel, context: torch.Tensor, make_cache: CacheFactory) -> Cache:
+        """A new cache holding ``context``, fed in one forward (the policy trims after it)."""
+        cache = make_cache()
+        model(context.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+
+class MultiTurn(SharedContext):
+    name = "multiturn"
+    summary = "multiturn: the context prefilled and trimmed once, then each question and its answer in turn through the same cache (SCBench's multi-turn)"
+    lockstep = False
+
+    @torch.no_grad()
+    def answer(self, model, tokenizer, context, questions, make_cache, new_tokens, chunk=1, framing=None):
+        """One conversation per row (rows part at the first answer): the turns' :class:`Answers`,
+        each over the rows (:func:`over_rows`)."""
+        framing = framing or plain(tokenizer)
+        conversations = [
+            self._conversation(model, tokenizer, context[row : row + 1], [q[row : row + 1] for q in questions], make_cache, new_tokens, framing)
+            for row in range(context.shape[0])
+        ]
+        return [over_rows([conversation[turn] for conversation in conversations]) for turn in range(len(questions))]
+
+    def _conversation(self, model, tokenizer, context, questions, make_cache, new_tokens, framing) -> list[Answers]:
+        cache = self._prefill(model, context, make_cache)
+        fed = context.shape[1]
+        between = torch.tensor([framing.between], dtype=torch.long).reshape(1, -1)
+        found = []
+        for turn, question in enumerate(questions):
+            ids = question if turn == 0 else torch.cat([between, question], dim=1)
+            logits = model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1).logits
+            fed += ids.shape[1]
+            state = _state(cache, 1, fed)
+            [tokens] = decode_answers(model, cache, logits, new_tokens, framing, feed_last=True)
+            fed += len(tokens)
+            found.append(Answers([first_line(tokenizer.decode(tokens, skip_special_tokens=True))], *state, held_bytes(cache)))
+        return found
+
+
+class MultiQuery(SharedContext):
+    name = "multiquery"
+    summary = "multiquery: the context prefilled and trimmed once, each question asked of its own copy of that cache (kvpress's questions per context; SCBench's multi-request)"
+
+    @torch.no_grad()
+    def answer(self, model, tokenizer, context, questions, make_cache, new_tokens, chunk=1, framing=None):
+        framing = framing or plain(tokenizer)
+        rows = context.shape[0]
+        cache = self._prefill(model, context, make_cache)
+        found = []
+        for turn, question in enumerate(questions):
+            own = cache if turn == len(questions) - 1 else copy_cache(cache, model)  # the last may take the original
+            logits = model(question.to(model.device), cache=own, use_cache=True, logits_to_keep=1).logits
+            state = _state(own, rows, context.shape[1] + question.shape[1])
+            tokens = decode_answers(model, own, logits, new_tokens, framing, feed_last=False)
+            decoded = held_bytes(own)
+            texts = [first_line(text) for text in tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+            found.append(Answers(texts, *state, None if decoded is None else decoded // rows))
+        return found
 
 
 PROTOCOLS: dict[str, Protocol] = {}
@@ -190,7 +283,7 @@ def register_protocol(protocol: Protocol) -> None:
     PROTOCOLS[protocol.name] = protocol
 
 
-for _protocol in (Streamed(), Prefill(), ContextOnly(), LastTokenKept()):
+for _protocol in (Streamed(), Prefill(), ContextOnly(), LastTokenKept(), MultiTurn(), MultiQuery()):
     register_protocol(_protocol)
 
 
@@ -230,20 +323,11 @@ def answer(
     protocol: str,
     new_tokens: int,
     chunk: int = 1,
+    framing: Framing | None = None,
 ) -> Answers:
     """Greedy answers to ``[batch, n]`` contexts followed by ``[batch, m]`` questions (rows of
     equal lengths) under ``protocol``; ``chunk`` tokens per forward under ``streamed``."""
-    return protocol_named(protocol).answer(model, tokenizer, context, [question], make_cache, new_tokens, chunk)[0]
-
-
-def split(cases: Sequence, protocol: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(context, question)`` rows of a batch of cases (each with ``context_ids`` and
-    ``question_ids``): apart where the protocol treats them apart; else the whole prompt as the
-    context and an empty question, so that prompts of one length batch together."""
-    if not protocol_named(protocol).whole_prompt:
-        return torch.cat([c.context_ids for c in cases]), torch.cat([c.question_ids for c in cases])
-    prompts = torch.cat([torch.cat([c.context_ids, c.question_ids], dim=1) for c in cases])
-    return prompts, prompts[:, :0]
+    return protocol_named(protocol).answer(model, tokenizer, context, [question], make_cache, new_tokens, chunk, framing)[0]
 
 
 def state_fields(answers: Sequence[Answers]) -> dict:
@@ -260,18 +344,36 @@ def state_fields(answers: Sequence[Answers]) -> dict:
     }
 
 
+def over_rows(answers: Sequence[Answers]) -> Answers:
+    """Answers of rows answered apart as one: their texts in order, and of the cache's state per
+    sequence the most over the rows (each row's own where there is one)."""
+
+    def most(values: list) -> int | None:
+        return None if None in values else max(values)
+
+    return Answers(
+        [text for a in answers for text in a.texts],
+        max(a.fed_tokens for a in answers),
+        most([a.kept_tokens for a in answers]),
+        most([a.held_bytes for a in answers]),
+        max(a.allocated_bytes for a in answers),
+        answers[0].governed_layers,
+        most([a.decoded_held_bytes for a in answers]),
+    )
+
+
 def first_line(text: str) -> str:
     """The answer: its first non-empty line (a base model goes on to write more text)."""
     return text.lstrip("\n").split("\n", 1)[0]
 
 
-def _state(cache: Cache, fed: torch.Tensor) -> tuple:
-    rows = fed.shape[0]
+def _state(cache: Cache, rows: int, fed: int) -> tuple:
+    """The cache's state (:class:`Answers`' fields) once ``fed`` tokens of each of ``rows`` rows are in."""
     ours = isinstance(cache, PolicyCache)
     kept = cache.kept_tokens() if ours else None
     held = held_bytes(cache)
     return (
-        fed.shape[1],
+        fed,
         kept,
         None if held is None else held // rows,
         footprint(cache) // rows,
@@ -299,6 +401,29 @@ def _outside_budget(model: PreTrainedModel, cache: Cache, question: torch.Tensor
     for index in range(len(cache.layers)):
         frozen.update(*returned[index], index)
     return logits, frozen
+
+
+def decode_answers(
+    model: PreTrainedModel, cache: Cache, logits: torch.Tensor, limit: int, framing: Framing, feed_last: bool
+) -> list[list[int]]:
+    """Each row's greedy answer: tokens until one that ends it (:meth:`Framing.ends`, not part of
+    the answer) or ``limit`` of them. Each answer token goes through the cache as a decode step,
+    one forward per token (a row that has ended goes on being fed greedy tokens, which its answer
+    never reads); the last token of an answer cut at ``limit`` is fed too with ``feed_last`` (the
+    conversation goes on after it)."""
+    answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    ended = [False] * len(answers)
+    for step in range(limit):
+        tokens = logits[:, -1].argmax(-1, keepdim=True)
+        for row, token in enumerate(tokens[:, 0].tolist()):
+            if not ended[row]:
+                ended[row] = framing.ends(answers[row], token)
+                if not ended[row]:
+                    answers[row].append(token)
+        if all(ended) or (step + 1 == limit and not feed_last):
+            break
+        logits = model(tokens, cache=cache, use_cache=True).logits
+    return answers
 
 
 def _decode(model: PreTrainedModel, cache: Cache, logits: torch.Tensor, steps: int, start: int | None) -> torch.Tensor:

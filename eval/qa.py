@@ -1,10 +1,12 @@
-"""Long-document QA: LongBench subsets from the Hub, or any JSONL of ``{context, input, answers}``,
+"""Long-document QA: LongBench subsets from the Hub, or any JSONL of ``{context, input, answers}``
+(or ``{context, questions: [{input, answers}, ...]}``: several questions of one document),
 through ``datasets.load_dataset`` (a local JSONL through the packaged ``json`` builder, offline).
 
-Each sample becomes a context (the document, its middle cut out when it is longer than
-``max_tokens``, as LongBench truncates) and a question with an answer prefix, run under the
-same protocols as the recall suite, and scored by exact match and token F1 against the best of
-its reference answers (SQuAD's normalisation: lower case, no punctuation, no articles).
+Each sample becomes a context (the document, its middle cut out when it and its longest question
+are longer than ``max_tokens``, as LongBench truncates) and its questions, each with an answer
+prefix, run under the same protocols as the recall suite (the shared-context ones ask a sample's
+questions of one context), and scored by exact match and token F1 against the best of each
+question's reference answers (SQuAD's normalisation: lower case, no punctuation, no articles).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hf_kvpolicies.special_tokens import start_ids
-
 from .data import DataError, _first_line, _load
+from .dialogue import Framing, Question, Turn, plain
 
 LONGBENCH = "THUDM/LongBench"
 PREFIX = "longbench:"
 CONTEXT_TEMPLATE = "Read the text below and answer the question after it.\n\n{context}"
-QUESTION_TEMPLATE = "\n\nQuestion: {input}\nAnswer:"
+QUESTION_TEMPLATE = ("\n\nQuestion: {input}", "\nAnswer:")
+"""What is asked, then the answer prefix (plain text joins them as printed)."""
 
 
 def is_qa_dataset(name: str) -> bool:
@@ -39,7 +41,8 @@ def describe(name: str) -> str:
 
 
 def load_samples(name: str, limit: int | None = None) -> list[dict]:
-    """``[{"context", "input", "answers"}]`` from ``longbench:SUBSET`` or a JSONL path."""
+    """``[{"context", "input", "answers"}]`` from ``longbench:SUBSET`` or a JSONL path; a row with
+    several questions gives ``{"context", "questions": [{"input", "answers"}, ...]}``."""
     try:
         if name.startswith(PREFIX):
             rows = _load(LONGBENCH, name.removeprefix(PREFIX), split="test")
@@ -54,11 +57,31 @@ def load_samples(name: str, limit: int | None = None) -> list[dict]:
             f"cannot load QA dataset {name!r} ({type(error).__name__}: {_first_line(error)}); "
             "with no Hub access, pass a local JSONL of {context, input, answers} rows"
         ) from error
-    missing = {"context", "input", "answers"} - set(rows.column_names)
+    columns = set(rows.column_names)
+    missing = {"context", "input", "answers"} - columns if "questions" not in columns else {"context"} - columns
     if missing:
-        raise DataError(f"--dataset {name!r} lacks the field(s) {', '.join(sorted(missing))}: each row needs context, input and answers")
-    samples = [{"context": r["context"], "input": r["input"], "answers": _answers(r["answers"])} for r in rows]
+        raise DataError(
+            f"--dataset {name!r} lacks the field(s) {', '.join(sorted(missing))}: each row needs context, and input and "
+            "answers or questions (a list of {input, answers})"
+        )
+    samples = [_sample(name, index, row) for index, row in enumerate(rows)]
     return samples[:limit] if limit else samples
+
+
+def _sample(name: str, index: int, row: dict) -> dict:
+    if row.get("questions") is None:
+        if row.get("input") is None or row.get("answers") is None:
+            raise DataError(f"--dataset {name!r}, row {index}: it has neither input and answers nor questions: give it one or the other")
+        return {"context": row["context"], "input": row["input"], "answers": _answers(row["answers"])}
+    questions = row["questions"]
+    if not questions or any(not isinstance(q, dict) or q.get("input") is None or q.get("answers") is None for q in questions):
+        raise DataError(f"--dataset {name!r}, row {index}: questions must be a non-empty list of {{input, answers}}")
+    return {"context": row["context"], "questions": [{"input": q["input"], "answers": _answers(q["answers"])} for q in questions]}
+
+
+def questions_of(sample: dict) -> list[dict]:
+    """A sample's questions, ``[{"input", "answers"}]``, in the order they are asked."""
+    return sample.get("questions") or [{"input": sample["input"], "answers": sample["answers"]}]
 
 
 def _answers(value) -> tuple[str, ...]:
@@ -70,23 +93,34 @@ class QACase:
     index: int
     context_ids: torch.Tensor
     question_ids: torch.Tensor
+    """``[1, m]``: the (first) question and the answer prefix."""
     expected: tuple[str, ...]
     answer_tokens: int
+    later: tuple[Turn, ...] = ()
+    """The sample's questions after the first, in the order they are asked."""
+
+    @property
+    def turns(self) -> tuple[Turn, ...]:
+        return (Turn(self.question_ids, self.expected), *self.later)
 
 
-def make_qa_case(tokenizer: PreTrainedTokenizerBase, sample: dict, index: int, max_tokens: int) -> QACase:
-    """One sample as a prompt of at most ``max_tokens`` tokens (the document's middle cut if needed)."""
-    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    question = encode(QUESTION_TEMPLATE.format(input=sample["input"]))
-    opening, context = start_ids(tokenizer), encode(CONTEXT_TEMPLATE.format(context=sample["context"]))
-    room = max_tokens - len(question) - len(opening)
+def make_qa_case(tokenizer: PreTrainedTokenizerBase, sample: dict, index: int, max_tokens: int, framing: Framing | None = None) -> QACase:
+    """One sample whose context and longest question take at most ``max_tokens`` tokens (the
+    document's middle cut if needed), framed by ``framing`` (plain text if not given)."""
+    framing = framing or plain(tokenizer)
+    asked = questions_of(sample)
+    questions = [framing.question_ids(Question(QUESTION_TEMPLATE[0].format(input=q["input"]), QUESTION_TEMPLATE[1])) for q in asked]
+    longest_question = max(map(len, questions))
+    opening, context, after = list(framing.opening), framing.encode(CONTEXT_TEMPLATE.format(context=sample["context"])), list(framing.after_context)
+    room = max_tokens - longest_question - len(opening) - len(after)
     if room < 16:
-        raise DataError(f"QA sample {index}: its question alone takes {len(question)} tokens: raise --qa-max-tokens")
+        raise DataError(f"QA sample {index}: its question alone takes {longest_question} tokens: raise --qa-max-tokens")
     if len(context) > room:
         context = context[: room // 2] + context[len(context) - (room - room // 2) :]
-    context = opening + context
-    longest = max(len(encode(" " + answer)) for answer in sample["answers"])
-    return QACase(index, torch.tensor([context]), torch.tensor([question]), sample["answers"], longest + 4)
+    context = opening + context + after
+    longest = max(len(framing.encode(" " + answer)) for q in asked for answer in q["answers"])
+    later = tuple(Turn(torch.tensor([ids]), q["answers"]) for ids, q in zip(questions[1:], asked[1:]))
+    return QACase(index, torch.tensor([context]), torch.tensor([questions[0]]), asked[0]["answers"], longest + 4, later)
 
 
 def normalize(text: str) -> str:

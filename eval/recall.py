@@ -9,6 +9,10 @@ in an answer prefix (the model only has to continue it). Tasks:
 - ``niah_multikey``: the same needle among ``keys - 1`` distractor needles with other keys;
 - ``niah_multivalue``: ``values`` needles share one key; every value must be returned;
 - ``niah_multiquery``: ``queries`` needles with different keys, all asked at once;
+- ``niah_multiturn``: ``turns`` needles with different keys, one question per key, each a turn
+  of its own (the shared-context protocols ask them in turn of one context; the others ask each
+  on its own). The first needle sits at the depth, the others spread evenly after it, wrapping
+  round to the haystack's start, each with a stretch of text of its own (:data:`SPACING`);
 - ``vt``: variable tracking, a chain ``VAR A = 12345``, ``VAR B = A`` ... of ``hops`` links,
   starting at the depth and spread evenly over the rest of the haystack; every variable of
   the chain must be returned;
@@ -16,12 +20,15 @@ in an answer prefix (the model only has to continue it). Tasks:
   ``words`` of them appear ``common_freq`` times and the rest ``rare_freq`` times (no depth);
 - ``passkey``: the passkey test (Mohtashami & Jaggi, 2023) as one more needle task.
 
-``length`` counts the tokens of the whole prompt (context plus question), as RULER does. The
+``length`` counts the tokens of the whole prompt (context plus question; the first question
+where a case has several), as RULER does. The
 needles asked for sit at ``depth`` (0 = start of the haystack, 1 = end); distractors sit at
 seeded random depths. A seed picks the values, the keys and where in the text the haystack
 starts, so seeds give independent samples for confidence intervals. Keys (and word values) are
 RULER's ``adjective-noun`` pairs, drawn from a built-in list of words the haystack lacks
-(:mod:`eval.key_words`), so no key is also quoted elsewhere in the text.
+(:mod:`eval.key_words`), so no key is also quoted elsewhere in the text. Each question is a
+:class:`~eval.dialogue.Question` (what is asked, then the answer prefix), framed as plain text or
+in the tokenizer's chat template by a :class:`~eval.dialogue.Framing`.
 """
 
 from __future__ import annotations
@@ -35,16 +42,16 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from hf_kvpolicies.special_tokens import start_ids
-
+from .dialogue import Framing, Question, Turn, plain
 from .key_words import absent_words
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "passkey")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_multiturn", "vt", "cwe", "passkey")
 OPTIONS: dict[str, dict[str, object]] = {
     "niah_single": {"value": "number"},
     "niah_multikey": {"value": "number", "keys": 4},
     "niah_multivalue": {"value": "number", "values": 4},
     "niah_multiquery": {"value": "number", "queries": 4},
+    "niah_multiturn": {"value": "number", "turns": 4},
     "vt": {"hops": 4},
     "cwe": {"words": 10, "common_freq": 10, "rare_freq": 3},
     "passkey": {},
@@ -57,6 +64,9 @@ ABBREVIATION = re.compile(r"(?:\b(?:e\.g|i\.e|cf|vs)|\.\.)\.$")
 """A full stop that ends no sentence: "e.g.", "i.e.", "cf.", "vs." and an ellipsis."""
 SNAP = 48
 """Farthest (tokens) a needle moves from its exact depth to reach a sentence boundary."""
+SPACING = 2 * SNAP + 2
+"""Haystack tokens each needle of ``niah_multiturn`` needs to itself: needles spread that far
+apart stay apart however far each moves to a boundary (``SNAP``, plus rounding)."""
 
 NIAH_INTRO = (
     "Some special magic {plural} are hidden within the following text. Make sure to memorize it. "
@@ -64,34 +74,35 @@ NIAH_INTRO = (
 )
 NIAH_NEEDLE = " One of the special magic {plural} for {key} is: {value}."
 NIAH_QUESTION_ONE = (
-    "\nWhat is the special magic {singular} for {key} mentioned in the provided text? "
-    "The special magic {singular} for {key} mentioned in the provided text is"
+    "\nWhat is the special magic {singular} for {key} mentioned in the provided text?",
+    " The special magic {singular} for {key} mentioned in the provided text is",
 )
 NIAH_QUESTION_ALL = (
-    "\nWhat are all the special magic {plural} for {key} mentioned in the provided text? "
-    "The special magic {plural} for {key} mentioned in the provided text are"
+    "\nWhat are all the special magic {plural} for {key} mentioned in the provided text?",
+    " The special magic {plural} for {key} mentioned in the provided text are",
 )
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
 VT_NEEDLE = " VAR {name} = {value}."
 VT_QUESTION = (
-    "\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-    "Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
-    "are assigned the value {value}, they are:"
+    "\nQuestion: Find all variables that are assigned the value {value} in the text above.",
+    " Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
+    "are assigned the value {value}, they are:",
 )
 CWE_INTRO = (
     "Below is a numbered list of words. In these words, some appear more often than others. "
     "Memorize the ones that appear most often.\n"
 )
 CWE_QUESTION = (
-    "\nQuestion: What are the {count} most common words in the above list? "
-    "Answer: The top {count} words that appear most often in the list are:"
+    "\nQuestion: What are the {count} most common words in the above list?",
+    " Answer: The top {count} words that appear most often in the list are:",
 )
 PASSKEY_INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will ask you about it afterwards.\n"
 )
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PASSKEY_QUESTION = ("\nWhat is the pass key?", " The pass key is")
+"""Each question is (what is asked, the answer prefix): plain text joins them as printed."""
 
 
 @dataclass(frozen=True)
@@ -115,11 +126,19 @@ class RecallCase:
     context_ids: torch.Tensor
     """``[1, n]``: the intro, then the haystack with the needles inserted."""
     question_ids: torch.Tensor
-    """``[1, m]``: the question and the answer prefix."""
+    """``[1, m]``: the (first) question and the answer prefix."""
     expected: tuple[str, ...]
+    """What the (first) answer is scored against."""
     needles: tuple[Needle, ...]
     answer_tokens: int
     """Tokens to decode: enough for every expected string, separators and a little slack."""
+    later: tuple[Turn, ...] = ()
+    """The questions after the first (``niah_multiturn``), in the order they are asked."""
+
+    @property
+    def turns(self) -> tuple[Turn, ...]:
+        """Every question of the case with what its answer is scored against, first to last."""
+        return (Turn(self.question_ids, self.expected), *self.later)
 
 
 def task_options(task: str, options: dict) -> dict:
@@ -165,42 +184,63 @@ def make_case(
     length: int = 1024,
     depth: float = 0.5,
     seed: int = 0,
+    framing: Framing | None = None,
     **options,
 ) -> RecallCase:
-    """One seeded case of ``task`` whose prompt is ``length`` tokens (see the module docstring)."""
+    """One seeded case of ``task`` whose prompt is ``length`` tokens (see the module docstring),
+    framed by ``framing`` (plain text if not given)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"recall depth must be in [0, 1], got {depth}")
     options = task_options(task, options)
-    rng = random.Random(f"recall:{task}:{sorted(options.items())}:{seed}:{length}:{depth:.6f}")
+    framing = framing or plain(tokenizer)
     haystack = haystack_ids.reshape(-1).tolist()
-    if task == "cwe":
-        return _cwe(tokenizer, haystack, _words(tokenizer, haystack), length, depth, seed, options, rng)
-    key_words = absent_words(tokenizer.decode(haystack)) if task.startswith("niah") else ([], [])
-    intro, needles, question, expected = _needle_task(task, options, key_words, rng)
-    return _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intro, needles, question, expected)
+
+    def make(length: int, options: dict) -> RecallCase:
+        rng = random.Random(f"recall:{task}:{sorted(options.items())}:{seed}:{length}:{depth:.6f}")
+        if task == "cwe":
+            return _cwe(tokenizer, framing, haystack, _words(tokenizer, haystack), length, depth, seed, options, rng)
+        key_words = absent_words(tokenizer.decode(haystack)) if task.startswith("niah") else ([], [])
+        intro, needles, questions = _needle_task(task, options, key_words, rng)
+        return _assemble(tokenizer, framing, haystack, task, length, depth, seed, options, rng, intro, needles, questions)
+
+    try:
+        return make(length, options)
+    except Crowded as crowded:
+        raise ValueError(crowded.fixed(make, length, options)) from None
+
+
+def _question(template: tuple[str, str], **fields: object) -> Question:
+    ask, prefix = template
+    return Question(ask.format(**fields), prefix.format(**fields))
 
 
 def _needle_task(task: str, options: dict, key_words: tuple[list[str], list[str]], rng: random.Random):
-    """``(intro, [(sentence, depth or None = random)], question, expected)`` of a needle task;
-    niah keys (and word values) are ``adjective-noun`` pairs of ``key_words``, as RULER's are."""
+    """``(intro, [(sentence, where)], [(question, expected)])`` of a needle task (``where``: a
+    needle asked for, at the depth; ``None``, at random; a chain link or one of needles spread
+    apart: a tuple); niah keys (and word values) are ``adjective-noun`` pairs of ``key_words``,
+    as RULER's are."""
     if task == "passkey":
         key = str(rng.randrange(10_000, 100_000))
-        return PASSKEY_INTRO, [(PASSKEY_NEEDLE.format(key=key), "asked")], PASSKEY_QUESTION, (key,)
+        return PASSKEY_INTRO, [(PASSKEY_NEEDLE.format(key=key), "asked")], [(_question(PASSKEY_QUESTION), (key,))]
     if task == "vt":
         names = _distinct(rng, lambda: "".join(rng.choices(string.ascii_uppercase, k=5)), options["hops"] + 1)
         value = str(rng.randrange(10_000, 100_000))
         chain = [VT_NEEDLE.format(name=names[0], value=value)]
         chain += [VT_NEEDLE.format(name=name, value=before) for before, name in zip(names, names[1:])]
-        question = VT_QUESTION.format(value=value, count=len(names))
-        return VT_INTRO, [(sentence, ("chain", i, len(chain))) for i, sentence in enumerate(chain)], question, tuple(names)
+        question = _question(VT_QUESTION, value=value, count=len(names))
+        return VT_INTRO, [(sentence, ("chain", i, len(chain))) for i, sentence in enumerate(chain)], [(question, tuple(names))]
     singular, plural = VALUE_TYPES[options["value"]]
-    needles = options.get("keys") or options.get("values") or options.get("queries") or 1
+    needles = options.get("keys") or options.get("values") or options.get("queries") or options.get("turns") or 1
     adjectives, nouns = key_words
     pairs = _distinct(rng, lambda: f"{rng.choice(adjectives)}-{rng.choice(nouns)}", 2 * needles)
     keys = pairs[:needles]
     values = pairs[needles:] if options["value"] == "word" else _distinct(rng, lambda: _value(options["value"], rng), needles)
     if task == "niah_multivalue":
         keys = [keys[0]] * needles
+    if task == "niah_multiturn":
+        sentences = [(NIAH_NEEDLE.format(plural=plural, key=k, value=v), ("spread", i, needles)) for i, (k, v) in enumerate(zip(keys, values))]
+        questions = [(_question(NIAH_QUESTION_ONE, singular=singular, key=k), (v,)) for k, v in zip(keys, values)]
+        return NIAH_INTRO.format(plural=plural), sentences, questions
     asked = {"niah_single": 1, "niah_multikey": 1}.get(task, needles)
     sentences = [(NIAH_NEEDLE.format(plural=plural, key=k, value=v), "asked" if i < asked else None) for i, (k, v) in enumerate(zip(keys, values))]
     if task == "niah_multiquery":
@@ -208,8 +248,8 @@ def _needle_task(task: str, options: dict, key_words: tuple[list[str], list[str]
     else:
         key_text = keys[0]
     template = NIAH_QUESTION_ONE if asked == 1 and task != "niah_multivalue" else NIAH_QUESTION_ALL
-    question = template.format(singular=singular, plural=plural, key=key_text)
-    return NIAH_INTRO.format(plural=plural), sentences, question, tuple(values[:asked])
+    question = _question(template, singular=singular, plural=plural, key=key_text)
+    return NIAH_INTRO.format(plural=plural), sentences, [(question, tuple(values[:asked]))]
 
 
 def _value(kind: str, rng: random.Random) -> str:
@@ -297,10 +337,15 @@ def _snap(target: int, tiers: tuple[list[int], ...]) -> int:
     return target
 
 
-def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intro, needles, question, expected) -> RecallCase:
-    intro_ids, question_ids = start_ids(tokenizer) + _encode(tokenizer, intro), _encode(tokenizer, question)
+def _assemble(tokenizer, framing, haystack, task, length, depth, seed, options, rng, intro, needles, questions) -> RecallCase:
+    intro_ids, after = list(framing.opening) + _encode(tokenizer, intro), list(framing.after_context)
+    turns = [(framing.question_ids(question), expected) for question, expected in questions]
+    question_ids = turns[0][0]
     needle_ids = [_encode(tokenizer, sentence) for sentence, _ in needles]
-    room = length - len(intro_ids) - len(question_ids) - sum(map(len, needle_ids))
+    room = length - len(intro_ids) - len(question_ids) - len(after) - sum(map(len, needle_ids))
+    spread = sum(isinstance(where, tuple) and where[0] == "spread" for _, where in needles)
+    if spread and room < spread * SPACING:
+        raise Crowded(task, spread, length - room + spread * SPACING)
     if room < 1:
         raise ValueError(f"recall task {task!r}: length {length} is too short for the prompt: use at least {length - room + 1} tokens")
     if len(haystack) < room:
@@ -316,6 +361,9 @@ def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intr
             target = rng.randrange(room + 1)
         elif where == "asked":
             target = round(room * depth)
+        elif where[0] == "spread":  # one of needles spread evenly from the depth, wrapping round
+            _, index, count = where
+            target = round(room * (depth if index == 0 else (depth + index / count) % 1.0))
         else:  # a chain link: from the depth to the end, evenly
             _, index, links = where
             target = round(room * (depth + (1 - depth) * index / links))
@@ -327,14 +375,44 @@ def _assemble(tokenizer, haystack, task, length, depth, seed, options, rng, intr
         cursor = places[i]
         placed[i] = Needle(needles[i][0], len(ids), len(ids) + len(needle_ids[i]), places[i] / room)
         ids += needle_ids[i]
-    ids += text[cursor:]
-    answer = len(_encode(tokenizer, " " + ", ".join(expected) + ".")) + 4
+    ids += text[cursor:] + after
+    answer = max(len(_encode(tokenizer, " " + ", ".join(expected) + ".")) for _, expected in turns) + 4
+    later = tuple(Turn(torch.tensor([ids_]), tuple(expected)) for ids_, expected in turns[1:])
     return RecallCase(
-        task, length, depth, seed, options, torch.tensor([ids]), torch.tensor([question_ids]), tuple(expected), tuple(placed), answer
+        task, length, depth, seed, options, torch.tensor([ids]), torch.tensor([question_ids]), tuple(turns[0][1]), tuple(placed), answer, later
     )
 
 
-def _cwe(tokenizer, haystack, words, length, depth, seed, options, rng) -> RecallCase:
+class Crowded(ValueError):
+    """Needles spread apart (``niah_multiturn``) that do not each get :data:`SPACING` tokens of the
+    haystack at this length."""
+
+    def __init__(self, task: str, turns: int, estimate: int) -> None:
+        super().__init__(f"recall task {task!r}: turns={turns} do not fit")
+        self.task, self.turns, self.estimate = task, turns, estimate
+
+    def fixed(self, make, length: int, options: dict) -> str:
+        """The message naming both fixes, each found by trying it (keys, and so needles, are drawn
+        anew at another length or count): the most turns this length holds, the least length
+        that holds these turns (from the estimate up)."""
+
+        def fits(length: int, turns: int) -> bool:
+            try:
+                make(length, {**options, "turns": turns})
+            except ValueError:
+                return False
+            return True
+
+        fewer = next((turns for turns in range(self.turns - 1, 0, -1) if fits(length, turns)), 0)
+        longer = next((n for n in range(self.estimate, 2 * self.estimate, 8) if fits(n, self.turns)), 2 * self.estimate)
+        ask = f"ask for turns={fewer} or fewer, or " if fewer else ""
+        return (
+            f"recall task {self.task!r}: turns={self.turns} needs {self.turns} needles with {SPACING} tokens of text each, "
+            f"more than a {length}-token prompt holds: {ask}use a length of at least {longer} tokens"
+        )
+
+
+def _cwe(tokenizer, framing, haystack, words, length, depth, seed, options, rng) -> RecallCase:
     """A numbered list: ``words`` common words ``common_freq`` times each, then rare words
     ``rare_freq`` times each while they fit, the last few tokens filled with haystack prose.
 
@@ -342,11 +420,11 @@ def _cwe(tokenizer, haystack, words, length, depth, seed, options, rng) -> Recal
     length in tokens is the sum of its pieces' and the prompt comes out at exactly ``length``.
     """
     count = options["words"]
-    question_ids = _encode(tokenizer, CWE_QUESTION.format(count=count))
-    intro_ids = start_ids(tokenizer) + _encode(tokenizer, CWE_INTRO)
+    question_ids, after = framing.question_ids(_question(CWE_QUESTION, count=count)), list(framing.after_context)
+    intro_ids = list(framing.opening) + _encode(tokenizer, CWE_INTRO)
     drawn = rng.sample(words, len(words))
     common, rare = drawn[:count], drawn[count:]
-    room = length - len(intro_ids) - len(question_ids)
+    room = length - len(intro_ids) - len(question_ids) - len(after)
     pieces: dict[str, list[int]] = {}
 
     def piece(text: str) -> list[int]:
@@ -376,7 +454,7 @@ def _cwe(tokenizer, haystack, words, length, depth, seed, options, rng) -> Recal
     ids = list(intro_ids)
     for n, word in enumerate(items):
         ids += piece(f"{n + 1}.") + piece(f" {word}") + piece("\n")
-    ids += haystack[: length - len(question_ids) - len(ids)]
+    ids += haystack[: length - len(question_ids) - len(after) - len(ids)] + after
     answer = len(_encode(tokenizer, " " + ", ".join(common) + ".")) + 4
     return RecallCase(
         "cwe", length, depth, seed, options, torch.tensor([ids]), torch.tensor([question_ids]), tuple(common), (), answer

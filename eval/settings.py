@@ -17,9 +17,10 @@ from hf_kvpolicies.models import DEFAULT_MODEL
 from .data import EMBEDDED_TEXT
 from .protocols import DEFAULT_PROTOCOLS
 
-DEFAULT_POLICIES = ("full", "window", "sink:positions=absolute", "h2o", "fp8")
-"""Full, FP8 and one of each bounded family, swept over ``--budgets`` (each class maps a budget
-onto its parameters); bare specs, so the sweep gives them their budgets. A policy that the
+DEFAULT_POLICIES = ("full", "window", "sink:positions=absolute", "h2o", "fp8", "full:storage=int4", "full:storage=int2")
+"""The full cache in native, FP8, int4 and int2 storage, and one of each bounded family, swept
+over ``--budgets`` (each class maps a budget onto its parameters); bare specs, so the sweep gives
+them their budgets. A policy that the
 library does not register is skipped with a note (:func:`default_policies`).
 
 The sinks keep absolute positions: within the model's trained context that is the StreamingLLM
@@ -57,6 +58,8 @@ class Settings:
     ratios: tuple[float, ...] = ()
     qa_samples: int = 20
     qa_max_tokens: int = 2048
+    chat_template: bool = False
+    """Whether recall and QA prompts are wrapped in the tokenizer's chat template, turn by turn."""
     device: str = "auto"
     dtype: str = "auto"
     device_map: str | None = None

@@ -254,7 +254,7 @@ def test_two_commands_on_one_out_run_each_run_once(tiny, tmp_path):
 def test_default_policies_skip_the_unregistered_with_a_note(monkeypatch):
     monkeypatch.setattr(settings_module, "available_policies", lambda: ["full", "window"])
     notes = []
-    assert settings_module.default_policies(notes.append) == ["full", "window"]
+    assert settings_module.default_policies(notes.append) == ["full", "window", "full:storage=int4", "full:storage=int2"]
     assert len(notes) == 3 and all(note.startswith("note: skipping default policy") for note in notes)
     assert set(settings_module.default_policies(lambda note: None)) <= set(settings_module.DEFAULT_POLICIES)
 
@@ -266,7 +266,7 @@ def test_every_default_policy_is_registered_and_builds_at_every_default_budget(t
     assert settings_module.default_policies(pytest.fail) == list(settings_module.DEFAULT_POLICIES)
     model = AutoModelForCausalLM.from_pretrained(tiny[0])
     runs = expand(list(settings_module.DEFAULT_POLICIES), settings_module.DEFAULT_BUDGETS)
-    assert len(runs) == 2 + 3 * len(settings_module.DEFAULT_BUDGETS)  # full and fp8 once, each bounded family per budget
+    assert len(runs) == 4 + 3 * len(settings_module.DEFAULT_BUDGETS)  # the full cache in four storages once, each bounded family per budget
     for run in runs:
         assert sweep_module.build_policy(model, run.spec(512), "--policy").get_seq_length() == 0
 

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import char_tokenizer
 
 from eval.data import DataError
-from eval.qa import exact_match, is_qa_dataset, load_samples, make_qa_case, normalize, token_f1
+from eval.qa import exact_match, is_qa_dataset, load_samples, make_qa_case, normalize, questions_of, token_f1
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,27 @@ def test_a_jsonl_without_the_fields_or_a_missing_file_says_what_is_needed(tmp_pa
         load_samples(str(path))
     with pytest.raises(DataError, match="does not exist"):
         load_samples(str(tmp_path / "none.jsonl"))
+
+
+def test_rows_with_several_questions_ask_them_of_one_context_cut_for_the_longest(tmp_path):
+    path = tmp_path / "multi.jsonl"
+    rows = [
+        {"context": "A" * 50 + "B" * 500 + "C" * 50, "questions": [{"input": "First?", "answers": "A"}, {"input": "A much longer second?", "answers": ["C", "c"]}]},
+        {"context": "short", "input": "Only?", "answers": ["x"]},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    samples = load_samples(str(path))
+    assert [len(questions_of(s)) for s in samples] == [2, 1] and questions_of(samples[0])[1]["answers"] == ("C", "c")
+    tokenizer = char_tokenizer()
+    case = make_qa_case(tokenizer, samples[0], 0, max_tokens=200)
+    assert [turn.expected for turn in case.turns] == [("A",), ("C", "c")]
+    assert [tokenizer.decode(turn.question_ids[0]) for turn in case.turns] == ["\n\nQuestion: First?\nAnswer:", "\n\nQuestion: A much longer second?\nAnswer:"]
+    assert case.context_ids.shape[1] + case.turns[1].question_ids.shape[1] == 200  # the longest question fits beside the context
+    assert len(make_qa_case(tokenizer, samples[1], 1, max_tokens=200).turns) == 1
+
+
+def test_a_row_with_empty_or_malformed_questions_says_what_is_needed(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"context": "c", "questions": []}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match="row 0: questions must be a non-empty list of {input, answers}"):
+        load_samples(str(path))

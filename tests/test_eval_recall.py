@@ -13,8 +13,9 @@ import torch
 from tiny_models import char_tokenizer
 
 from eval.data import embedded_text, tokenize
+from eval.dialogue import chat
 from eval.key_words import ADJECTIVES, MINIMUM, NOUNS, absent_words
-from eval.recall import SNAP, TASKS, make_case, parse_task, score_answer
+from eval.recall import SNAP, SPACING, TASKS, make_case, parse_task, score_answer
 
 NEEDLE_TASKS = [task for task in TASKS if task != "cwe"]
 
@@ -222,3 +223,57 @@ def test_prompts_open_with_the_tokenizers_bos_within_the_length(haystack, task):
     assert case.context_ids.shape[1] + case.question_ids.shape[1] == 1500
     for needle in case.needles:  # positions count the BOS
         assert with_bos.decode(case.context_ids[0, needle.start : needle.end]) == needle.text
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.6, 1.0])
+def test_multiturn_needles_spread_from_the_depth_one_key_asked_a_turn(tokenizer, haystack, depth):
+    case = make_case(tokenizer, haystack, task="niah_multiturn", length=2000, depth=depth, seed=1, turns=4)
+    assert case.context_ids.shape[1] + case.question_ids.shape[1] == 2000 and len(case.turns) == len(case.needles) == 4
+    text = tokenizer.decode(case.context_ids[0])
+    keys = [re.search(r"for (\S+) is", needle.text).group(1) for needle in case.needles]
+    assert len(set(keys)) == 4
+    for needle, key, turn in zip(case.needles, keys, case.turns):  # turn k asks needle k's key, and only it
+        question = tokenizer.decode(turn.question_ids[0])
+        assert f"for {key} mentioned" in question and sum(other in question for other in keys) == 1
+        [value] = turn.expected
+        assert needle.text.endswith(f"is: {value}.") and text.count(value) == 1
+    for index, needle in enumerate(case.needles):  # the first at the depth, then a quarter apart, wrapping round
+        target = depth if index == 0 else (depth + index / 4) % 1.0
+        assert abs(needle.depth - target) <= SNAP / 1400, (index, needle.depth, target)  # the haystack holds over 1,400 tokens
+    starts = sorted(needle.start for needle in case.needles)
+    assert all(b - a > SPACING - 2 * SNAP for a, b in zip(starts, starts[1:]))  # each at a place of its own
+
+
+def test_multiturn_turns_below_one_or_beyond_the_needles_that_fit_say_what_to_do(tokenizer, haystack):
+    with pytest.raises(ValueError, match="turns=0 must be an integer >= 1"):
+        parse_task("niah_multiturn:turns=0")
+    with pytest.raises(ValueError, match=r"turns=12 needs 12 needles .* ask for turns=\d+ or fewer, or use a length of at least \d+ tokens") as refused:
+        make_case(tokenizer, haystack, task="niah_multiturn", length=1200, turns=12)
+    fewer, longer = map(int, re.search(r"turns=(\d+) or fewer, or use a length of at least (\d+)", str(refused.value)).groups())
+    assert 1 <= fewer < 12
+    assert len(make_case(tokenizer, haystack, task="niah_multiturn", length=1200, turns=fewer).turns) == fewer  # the fixes hold
+    assert len(make_case(tokenizer, haystack, task="niah_multiturn", length=longer, turns=12).turns) == 12
+    with pytest.raises(ValueError, match="use a length of at least") as none_fit:
+        make_case(tokenizer, haystack, task="niah_multiturn", length=400, turns=3)
+    assert "or fewer" not in str(none_fit.value)  # not even one needle fits: only a longer prompt helps
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("task", ["niah_multiturn", "cwe", "vt"])
+def test_a_chat_template_frames_each_question_within_the_length(haystack, task):
+    templated = char_tokenizer()
+    templated.chat_template = CHATML
+    case = make_case(templated, haystack, task=task, length=1500, depth=0.4, seed=3, framing=chat(templated))
+    assert case.context_ids.shape[1] + case.question_ids.shape[1] == 1500
+    context = templated.decode(case.context_ids[0])
+    assert context.startswith("<|im_start|>user\n") and context.endswith("\n\n")
+    for turn in case.turns:
+        question = templated.decode(turn.question_ids[0])
+        assert re.fullmatch(r"\S[^\n]*[?.]<\|im_end\|>\n<\|im_start\|>assistant\n\S[^\n]*(is|are|:)", question), question
+    for needle in case.needles:
+        assert templated.decode(case.context_ids[0, needle.start : needle.end]) == needle.text

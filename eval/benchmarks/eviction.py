@@ -1,6 +1,6 @@
 """Eviction benchmark: every eviction policy at one budget, side by side, plus a needle task.
 
-    flock /tmp/kvp-bench.lock python -m eval.benchmarks.eviction [--budget 256] [--needle-cases 40]
+    python -m eval.benchmarks.eviction [--budget 256] [--needle-cases 40]
 
 One process, the embedded model and text. For the sliding window (the baseline of the ratios),
 FullCache, sink and every scored policy at ``--budget`` kept tokens per layer (each spec built at

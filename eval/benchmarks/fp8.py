@@ -1,6 +1,6 @@
 """FP8 storage benchmark: memory, decode speed and streaming perplexity against full precision.
 
-    flock /tmp/kvp-bench.lock python -m eval.benchmarks.fp8
+    python -m eval.benchmarks.fp8
 
 One process, the embedded model and text. First the float8 decoders this storage could use, timed
 on one layer's keys and values at 2K tokens (the cost every decode step pays per layer) and

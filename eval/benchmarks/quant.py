@@ -1,6 +1,6 @@
 """Integer storage benchmark: int8/int4/int2 beside transformers' QuantizedCache (quanto) and full precision.
 
-    flock /tmp/kvp-bench.lock python -m eval.benchmarks.quant
+    python -m eval.benchmarks.quant
 
 One process, the embedded model and text. One table for FullCache (the base of the ratios) and the
 full cache in int8, int4 and int2 storage, with transformers' ``QuantizedCache(backend="quanto")``

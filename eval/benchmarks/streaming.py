@@ -1,6 +1,6 @@
 """Streaming benchmark: bounded decode cost, and the StreamingLLM finding on the embedded model.
 
-    flock /tmp/kvp-bench.lock python -m eval.benchmarks.streaming
+    python -m eval.benchmarks.streaming
 
 Two tables from one process, then the thresholds checked on their figures (each printed with
 its reason):

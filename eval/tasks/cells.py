@@ -1,9 +1,10 @@
 """What tasks build their columns and measures from: a record's figure, the mean and interval of a
-row's cells, the protocols a table's rows were answered under, and the full cache's row."""
+row's cells, the turns its cells were asked in, the protocols a table's rows were answered under,
+and the full cache's row."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..protocols import PROTOCOLS
 from ..stats import Interval, bootstrap
@@ -51,6 +52,11 @@ def interval_of(cells: Cells) -> Callable[[Row], Interval | None]:
         return bootstrap(values) if values else None
 
     return interval
+
+
+def turns_of(cells: Iterable[dict]) -> list[int]:
+    """The turns that cells of a task asking several questions were asked in (none for others)."""
+    return sorted({cell["turn"] for cell in cells if "turn" in cell})
 
 
 def protocols_of(rows: list[Row], accepts: Callable[[str], bool]) -> list[str]:

@@ -1,20 +1,24 @@
 """The recall suite as a task (``niah_single``, ``passkey``... with options as ``TASK:key=value``):
 every (depth, seed) cell of each task at each ``--lengths`` under each protocol, prompts of equal
-length answered in shared batches (the cases themselves come from :mod:`eval.recall`)."""
+length answered in shared batches (the cases themselves come from :mod:`eval.recall`). A task
+whose cases ask several questions (``niah_multiturn``) records a cell per question, with its turn;
+its detail columns give each turn and the mean over turns."""
 
 from __future__ import annotations
 
 import time
 
 from .. import fields as f
+from ..asking import ask
 from ..data import DataError, tokenize
-from ..protocols import protocol_named, split, state_fields
+from ..protocols import protocol_named, state_fields
 from ..recall import TASKS as RECALL_TASKS
 from ..recall import make_case, parse_task, score_answer
 from ..settings import UsageError
 from ..stream import resolve_chunk
 from .base import Column, Measure, Row, Task, protocol_fields
-from .cells import interval_of, mean_of, protocols_of
+from .cells import interval_of, mean_of, protocols_of, turns_of
+from .framing import chat_params, framing
 
 BATCH = 16
 """Most recall prompts fed together (rows of equal length share every forward)."""
@@ -25,7 +29,7 @@ class Recall(Task):
     summary = f"a recall task ({', '.join(RECALL_TASKS)}; options as TASK:key=value, e.g. niah_single:value=uuid)"
     dimensions = ("length",)
     prompted = True
-    fields = {"length": f.count, "cells": f.nonempty(f.record_of({"score": f.number}))}
+    fields = {"length": f.count, "cells": f.nonempty(f.record_of({"score": f.number, "turn": f.absent_or(f.count)}))}
 
     def names(self):
         return RECALL_TASKS
@@ -40,7 +44,7 @@ class Recall(Task):
         return [{"length": length} for length in settings.lengths]
 
     def params(self, settings, job):
-        return {"length": job.length, "depths": list(settings.depths), "seeds": list(settings.seeds), "chunk_size": settings.chunk_size or "auto"}
+        return {"length": job.length, "depths": list(settings.depths), "seeds": list(settings.seeds), "chunk_size": settings.chunk_size or "auto", **chat_params(settings)}
 
     def unit(self, job):
         return ("recall", job.length, job.protocol)  # every recall task at one length: prompts of one length batch together
@@ -49,9 +53,14 @@ class Recall(Task):
         return job.length
 
     def prepare(self, bench, jobs):
-        for job in jobs:
+        try:
+            framing(bench)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
+        for job in jobs:  # every cell: how many needles fit depends on the keys a seed draws
             try:
-                _case(bench, job.task, job.length, bench.settings.depths[0], bench.settings.seeds[0])
+                for depth, seed in _places(bench.settings, job.task):
+                    _case(bench, job.task, job.length, depth, seed)
             except ValueError as error:
                 raise UsageError(f"--task {job.task} at --lengths {job.length}: {error}") from error
 
@@ -64,25 +73,19 @@ class Recall(Task):
         ran = protocol_named(protocol["protocol_ran"])
         cases = []
         for job in jobs:
-            depths = settings.depths if parse_task(job.task)[0] != "cwe" else settings.depths[:1]  # a list of words has no depth
-            cases += [(job, _case(bench, job.task, job.length, depth, seed)) for depth in depths for seed in settings.seeds]
+            cases += [(job, _case(bench, job.task, job.length, depth, seed)) for depth, seed in _places(settings, job.task)]
         chunk, approximate = resolve_chunk(unit.make(), model, settings.chunk_size) if ran.chunked else (1, False)
-        groups: dict[int, list] = {}
-        for job, case in cases:  # a protocol that takes the question apart batches by where it starts
-            groups.setdefault(0 if ran.whole_prompt else case.context_ids.shape[1], []).append((job, case))
         cells: dict = {job: [] for job in jobs}
         states: dict = {job: [] for job in jobs}
-        for group in groups.values():
-            for at in range(0, len(group), BATCH):
-                batch = group[at : at + BATCH]
-                context, question = split([case for _, case in batch], ran.name)
-                [out] = ran.answer(model, bench.tokenizer, context, [question], unit.make, max(c.answer_tokens for _, c in batch), chunk)
-                for (job, case), text in zip(batch, out.texts):
-                    states[job].append(out)
-                    cells[job].append({
-                        "depth": None if case.task == "cwe" else case.depth, "seed": case.seed,
-                        "expected": list(case.expected), "answer": text, "score": score_answer(text, case.expected),
-                    })
+        for asked in ask(model, bench.tokenizer, [case for _, case in cases], ran, unit.make, framing(bench), chunk, BATCH):
+            job, case = cases[asked.case]
+            expected = case.turns[asked.turn].expected
+            turn = {"turn": asked.turn + 1} if len(case.turns) > 1 else {}
+            states[job].append(asked.answers)
+            cells[job].append({
+                "depth": None if case.task == "cwe" else case.depth, "seed": case.seed, **turn,
+                "expected": list(expected), "answer": asked.text, "score": score_answer(asked.text, expected),
+            })
         elapsed = (time.perf_counter() - start) / len(jobs)  # the batches are shared: each task its share
         for job in jobs:
             yield job, {
@@ -104,13 +107,20 @@ class Recall(Task):
         ]
 
     def details(self, rows):
+        """A column per task, length and protocol; for a task that asks several questions, a
+        column per turn before it, which is then the mean over turns."""
         order = list(protocols_of(rows, self.accepts))
         keys = sorted({(task, *where) for row in rows for task, where, _ in row.matching(self.accepts)}, key=lambda k: (order.index(k[2]), k[1], k[0]))
-        return [
-            Column(f"{task} @{length} {protocol}", f"recall {protocol}", mean_of(cells), 2, self._sources(protocol), interval_of(cells))
-            for task, length, protocol in keys
-            for cells in [lambda row, t=task, n=length, p=protocol: self.cells(row, p, t, n)]
-        ]
+        columns = []
+        for task, length, protocol in keys:
+            title, sources = f"{task} @{length} {protocol}", self._sources(protocol)
+            turns = turns_of(cell for row in rows for record in [row.record(task, length, protocol)] if record for cell in record["cells"])
+            for turn in turns:
+                cells = lambda row, t=task, n=length, p=protocol, k=turn: self.cells(row, p, t, n, k)  # noqa: E731
+                columns.append(Column(f"{title} turn {turn}", f"recall {protocol}", mean_of(cells), 2, sources, interval_of(cells)))
+            cells = lambda row, t=task, n=length, p=protocol: self.cells(row, p, t, n)  # noqa: E731
+            columns.append(Column(title + (" mean" if turns else ""), f"recall {protocol}", mean_of(cells), 2, sources, interval_of(cells)))
+        return columns
 
     def measures(self, rows):
         found = []
@@ -122,9 +132,9 @@ class Recall(Task):
             ))
             for task in sorted({task for row in rows for task, (_, p), _ in row.matching(self.accepts) if p == protocol}):
                 cells = self.suite_cells(rows, protocol, task)
-                found.append(Measure(
-                    f"{task}_{protocol}", mean_of(cells), f"{task} score, {protocol} (higher is better)", self._first(protocol, task), interval_of(cells), protocol,
-                ))
+                turned = turns_of(cell for row in rows for name, (_, p), record in row.matching(self.accepts) if (name, p) == (task, protocol) for cell in record["cells"])
+                what = f"{task} score, {protocol}" + (", mean over turns" if turned else "")
+                found.append(Measure(f"{task}_{protocol}", mean_of(cells), f"{what} (higher is better)", self._first(protocol, task), interval_of(cells), protocol))
         return found
 
     def caption(self, rows):
@@ -134,13 +144,15 @@ class Recall(Task):
         tasks, lengths = sorted({t for t, _ in keys}), sorted({n for _, n in keys})
         return [f"recall = RULER string-match score, mean over the cells of {', '.join(tasks)} at {lengths} tokens"]
 
-    def cells(self, row: Row, protocol: str, task: str | None = None, length: int | None = None) -> list[float]:
-        """The scores of every recall cell of a row under a protocol (of one task and length if given)."""
+    def cells(self, row: Row, protocol: str, task: str | None = None, length: int | None = None, turn: int | None = None) -> list[float]:
+        """The scores of every recall cell of a row under a protocol (of one task, length and turn
+        if given)."""
         return [
             cell["score"]
             for name, (n, p), record in row.matching(self.accepts)
             if p == protocol and task in (None, name) and length in (None, n)
             for cell in record["cells"]
+            if turn in (None, cell.get("turn"))
         ]
 
     def suite_cells(self, rows: list[Row], protocol: str, task: str | None = None):
@@ -161,11 +173,18 @@ class Recall(Task):
         return lambda row: next((record for name, (_, p), record in row.matching(self.accepts) if p == protocol and task in (None, name)), None)
 
 
+def _places(settings, task: str) -> list[tuple[float, int]]:
+    """The (depth, seed) of every cell of ``task`` (one depth for ``cwe``: a list of words has none)."""
+    depths = settings.depths if parse_task(task)[0] != "cwe" else settings.depths[:1]
+    return [(depth, seed) for depth in depths for seed in settings.seeds]
+
+
 def _case(bench, task: str, length: int, depth: float, seed: int):
     """A recall case, made once per process."""
     name, options = parse_task(task)
     haystack = bench.cached("recall haystack", lambda: _haystack(bench))
-    return bench.cached(("recall case", task, length, depth, seed), lambda: make_case(bench.tokenizer, haystack, name, length, depth, seed, **options))
+    made = lambda: make_case(bench.tokenizer, haystack, name, length, depth, seed, framing(bench), **options)  # noqa: E731
+    return bench.cached(("recall case", task, length, depth, seed), made)
 
 
 def _haystack(bench):

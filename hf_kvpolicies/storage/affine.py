@@ -153,7 +153,7 @@ def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
         return packed
     words = packed.shape[-1] % 4 == 0 and packed.stride(-1) == 1 and packed.numel() > 0
     source = packed.view(torch.int32) if words else packed
-    mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little") if words else (1 << bits) - 1
+    mask = ((1 << bits) - 1) * (0x01010101 if words else 1)  # the byte mask repeated in each byte of a word
     planes = [source & mask] + [(source >> plane * bits) & mask for plane in range(1, per)]
     out = torch.cat([plane.view(torch.uint8) for plane in planes] if words else planes, dim=-1)
     return out if out.shape[-1] == width else out[..., :width]
