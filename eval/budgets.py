@@ -25,7 +25,11 @@ class PolicyRun:
 
     @property
     def family(self) -> str:
-        return parse_spec(self.policy)[0]
+        """The policy's name, with its storage where it is not native (``window int4``): a
+        retention in another storage is a family of its own, with its own look and lines."""
+        name, parameters = parse_spec(self.policy)
+        storage = str(parameters.get("storage", "native")).partition(":")[0]
+        return name if storage == "native" else f"{name} {storage}"
 
     @property
     def label(self) -> str:

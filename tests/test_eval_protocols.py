@@ -141,3 +141,13 @@ def test_every_registered_bounded_policy_keeps_its_budget(model, name):
         model(random_ids(1, 1), cache=cache)
     governed = [i for i, decides in enumerate(cache.governed) if decides]
     assert sum(cache.kept_tokens(i) for i in governed) == 16 * len(governed)  # adaptive budgets share the total
+
+
+def test_a_retention_in_another_storage_is_a_family_of_its_own():
+    """Families give each figure its looks and lines: a window in int4 must not share the native
+    window's line, nor the full cache in int2 the full cache's marker."""
+    from eval.budgets import PolicyRun
+
+    assert [PolicyRun(spec).family for spec in ("full", "full:storage=native", "full:storage=int4", "window:window=8,storage=int2:residual=64", "fp8")] == [
+        "full", "full", "full int4", "window int2", "fp8",
+    ]

@@ -1,5 +1,6 @@
 """Integer storage benchmark: int8/int4/int2 beside transformers' QuantizedCache (quanto) and full precision.
 
+    pip install 'hf-kvpolicies[bench]'   # optimum-quanto, for transformers' QuantizedCache
     python -m eval.benchmarks.quant
 
 One process, the embedded model and text. One table for FullCache (the base of the ratios) and the

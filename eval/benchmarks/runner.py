@@ -123,6 +123,8 @@ def table(contenders: list[Contender]) -> str:
         for column in columns:
             value = contender.figures.get(column, float("nan"))
             ratio = value / base[column] if base.get(column) else float("nan")
-            cells.append(f"{value:.3g} ({ratio:.2f}x)" if contender is not contenders[0] else f"{value:.3g}")
+            exact = column.startswith("ppl")  # perplexity targets are set within a thousandth
+            shown = f"{value:.3f}" if exact else f"{value:.3g}"
+            cells.append(f"{shown} ({ratio:.4f}x)" if exact and contender is not contenders[0] else f"{shown} ({ratio:.2f}x)" if contender is not contenders[0] else shown)
         lines.append(f"| {contender.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

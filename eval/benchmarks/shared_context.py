@@ -134,7 +134,7 @@ def main() -> None:
     print(f"niah_multiturn: {args.prompts} prompts of {args.length} tokens, {args.turns} needles asked in turn, budget {args.budget}, "
           f"{'chat template' if args.chat_template else 'plain text'}; exact matches of {args.prompts} per turn", flush=True)
     print("| policy | protocol | " + " | ".join(turns) + " | mean | MiB held | seconds |", flush=True)
-    print("|---" * (len(turns) + 6) + "|", flush=True)
+    print("|---" * (len(turns) + 5) + "|", flush=True)
     results: dict[tuple[str, str], list[int]] = {}
     for spec in args.policies:
         for protocol in args.protocols:
