@@ -43,6 +43,7 @@ class Rotary:
         self._memo: tuple[tuple, torch.Tensor] | None = None
         self._freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copies on devices, made eagerly
         self._window_on: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
+        self._layout_freq_on: dict[tuple[torch.device, int], torch.Tensor] = {}  # per rotated dim, float64
 
     @property
     def rotary_dim(self) -> int:
@@ -94,6 +95,32 @@ class Rotary:
         matrix = torch.eye(head_dim, dtype=torch.float64, device=device).repeat(*block.shape[:-2], 1, 1)
         matrix[..., :dim, :dim] = block
         return matrix
+
+    def turned(self, keys: torch.Tensor) -> torch.Tensor:
+        """``rotate_half`` of ``keys``' rotated dims in the model's layout, zeros past them: with
+        :meth:`cos_sin`, a rotation by a device offset is ``keys * cos + turned * sin``."""
+        dim = self.rotary_dim
+        out = torch.zeros_like(keys)
+        out[..., :dim] = rotate_half(keys[..., :dim], self.interleaved)
+        return out
+
+    def cos_sin(self, offset: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[head_dim]`` float32 cos and sin of a rotation by ``offset`` (a 0-d long tensor on the
+        device, nothing read back; angles in float64), ``1`` and ``0`` past the rotated dims:
+        five operations where :meth:`matrix` builds a ``head_dim x head_dim`` matrix. The
+        frequencies come from :meth:`on_device` (call it eagerly first)."""
+        freq = self._layout_freq_on[(offset.device, head_dim)]
+        angles = offset * freq
+        return angles.cos().float(), angles.sin().float()
+
+    def prepare_cos_sin(self, device: torch.device, head_dim: int) -> None:
+        """Make the per-dim frequencies :meth:`cos_sin` uses on ``device`` (eagerly, once)."""
+        key = (device, head_dim)
+        if key not in self._layout_freq_on:
+            freq = self.inv_freq.repeat_interleave(2) if self.interleaved else self.inv_freq.repeat(2)
+            padded = torch.zeros(head_dim, dtype=torch.float64)
+            padded[: freq.numel()] = freq
+            self._layout_freq_on[key] = padded.to(device)
 
     def rotate(self, keys: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
         """``keys`` (``[batch, heads, n, head_dim]``, already rotated) moved ``offset`` positions later,

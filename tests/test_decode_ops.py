@@ -7,28 +7,29 @@ the budget, at two contexts: a bounded cache's step must dispatch the same opera
 context (its cost is flat), a scored policy's step at most :data:`SCORED_EXTRA` more than the
 sliding window's, and ranking in chunks (``chunk=``) at most :data:`CHUNK_EXTRA` more than the
 same policy's single tokens. ``pytest tests/test_decode_ops.py -s`` prints the table.
+
+Every operation counted, views included, the ring and full retentions on native storage hold
+:data:`OWN_STEP_BUDGET`: what their work adds to a layer's step beyond ``DynamicCache``'s (on a GPU,
+each is a launch paid in every layer at every token).
 """
 
 from __future__ import annotations
 
-import collections
 import inspect
 
 import pytest
 import torch
 from tiny_models import char_tokenizer, random_ids, tiny_llama
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_kvpolicies import available_policies
+from transformers import DynamicCache
+
+from hf_kvpolicies import available_policies, from_spec
 from hf_kvpolicies.specs import policy_constructor
+
+from eval.benchmarks.ops import OperationCounter
 
 BUDGET = 32
 CONTEXTS = (96, 384)
-VIEWS = {
-    "view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "t", "permute",
-    "alias", "detach", "as_strided", "reshape", "split", "unbind", "lift_fresh",
-}
-"""Operations that make a view: no kernel, no memory traffic."""
 SCORED_EXTRA = 80
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
 choosing the slot to free and writing per-slot state (46 for SnapKV, 58 for Expected Attention)."""
@@ -36,25 +37,6 @@ CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
 CHUNK_EXTRA = 40
 """Operations ranking in chunks may add to a layer's step (a sort, a search, two segment sums: 33)."""
-
-
-class LayerOps(TorchDispatchMode):
-    """Counts the non-view aten operations dispatched while ``layer`` runs."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.inside = False
-        self.ops: collections.Counter[str] = collections.Counter()
-        self.hooks = [
-            layer.register_forward_pre_hook(lambda *args: setattr(self, "inside", True)),
-            layer.register_forward_hook(lambda *args: setattr(self, "inside", False)),
-        ]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if self.inside and name not in VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @torch.no_grad()
@@ -71,12 +53,11 @@ def layer_ops(name: str, context: int, **extra) -> int:
     model(ids[:, :context], cache=cache)
     model(ids[:, context : context + 1], cache=cache)  # the first step may still fill the buffer's last slot
     model(ids[:, context + 1 : context + 2], cache=cache)
-    counter = LayerOps(model.model.layers[1])
+    counter = OperationCounter(model.model.layers[1], views=False)
     with counter:
         model(ids[:, context + 2 :], cache=cache)
-    for hook in counter.hooks:
-        hook.remove()
-    return sum(counter.ops.values())
+    counter.close()
+    return counter.count
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +81,33 @@ def test_bounded_steps_are_flat_and_scored_ones_cost_a_few_dozen_operations(coun
         single = counts[policy][0]
         assert single <= window + SCORED_EXTRA, (name, ops, window)
         assert not chunked or ops[0] <= single + CHUNK_EXTRA, (name, ops, single)
+
+
+OWN_STEP_BUDGET = {"window": 8, "full": 8, "sink": 20}
+"""Every aten operation (views included) a cache's work adds to one layer's decode step beyond
+``DynamicCache``'s, per retention on native storage: the sliding window and the full cache (pre-sized
+or growing) write the token and advance one device counter; the sink retention also re-rotates
+its sinks by the evictions so far (cos and sin of one angle per dim, one multiply-add)."""
+
+
+@torch.no_grad()
+def added_ops(spec: str, context: int = 96) -> int:
+    """Operations of layer 1's decode step under ``spec`` beyond ``DynamicCache``'s, views included."""
+    model = tiny_llama(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    ids = random_ids(1, context + 3)
+    totals = []
+    for cache in (DynamicCache(config=model.config), from_spec(model, spec)):
+        for end in (context, context + 1, context + 2):
+            model(ids[:, end - (context if end == context else 1) : end], cache=cache)
+        counter = OperationCounter(model.model.layers[1])
+        with counter:
+            model(ids[:, context + 2 :], cache=cache)
+        counter.close()
+        totals.append(counter.count)
+    return totals[1] - totals[0]
+
+
+@pytest.mark.parametrize("spec", ["window:window=32", "full", "full:max_length=128", "sink:sink_tokens=4,window=28"])
+def test_ring_and_full_steps_stay_within_their_operation_budget(spec, one_thread):
+    name = spec.partition(":")[0]
+    assert added_ops(spec) <= OWN_STEP_BUDGET[name], spec

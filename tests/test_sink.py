@@ -188,7 +188,7 @@ def test_memory_is_constant_and_decoding_writes_in_place(positions):
     at_2000 = stream_long(model, cache, ids)
     assert cache.get_seq_length() == 10_000 and cache.kept_tokens() == 64
     assert cache.get_memory_footprint() == at_2000
-    sink_copies = 2 * 4 * model.config.num_key_value_heads * 16 * 4  # keys + values, 4 sinks, fp32
+    sink_copies = 3 * 4 * model.config.num_key_value_heads * 16 * 4  # keys, their rotate_half, values: 4 sinks, fp32
     extra = sink_copies if positions == "cache" else 0
     ring = 2 * 65 * model.config.num_key_value_heads * 16 * 4 + 65 * 8  # slots and their positions
     assert at_2000 == model.config.num_hidden_layers * (ring + extra)

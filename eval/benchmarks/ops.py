@@ -11,6 +11,7 @@ CPU run shows the launch budget a GPU will pay.
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import sys
 from collections.abc import Callable
@@ -27,15 +28,44 @@ from hf_kvpolicies.specs import policy_constructor
 from ..budgets import expand
 
 
-class OperationCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched while it is active."""
+VIEWS = frozenset({
+    "view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "t", "permute",
+    "alias", "detach", "as_strided", "reshape", "split", "unbind", "lift_fresh",
+})
+"""Operations that make a view: no kernel, no memory traffic."""
 
-    def __init__(self) -> None:
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while it is active, by name (``counts``).
+
+    ``layer``: only those dispatched while that module runs (its forward hooks open and close the
+    count; :meth:`close` removes them). ``views``: whether operations that only make a view
+    (:data:`VIEWS`) count.
+    """
+
+    def __init__(self, layer: torch.nn.Module | None = None, views: bool = True) -> None:
         super().__init__()
-        self.count = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.views = views
+        self.inside = layer is None
+        self.hooks = [] if layer is None else [
+            layer.register_forward_pre_hook(lambda *args: setattr(self, "inside", True)),
+            layer.register_forward_hook(lambda *args: setattr(self, "inside", False)),
+        ]
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        name = func.overloadpacket.__name__
+        if self.inside and (self.views or name not in VIEWS):
+            self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -310,8 +310,8 @@ class Retention(ABC):
             self.slot_pos = grown
 
     def _record(self, slots: SlotIndex, q: int) -> None:
-        if isinstance(slots, int) and q == 1:  # the decode step: avoid building tensors
-            self.slot_pos[slots] = self.seen
+        if isinstance(slots, int) and q == 1:  # the decode step: a host write through numpy dispatches no operation
+            self.slot_pos.numpy()[slots] = self.seen
         else:
             self.slot_pos[self._as_index(slots, q)] = torch.arange(self.seen, self.seen + q)
         self.live = max(self.live, self._end(slots, q))

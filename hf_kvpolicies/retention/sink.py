@@ -43,6 +43,7 @@ class SinkRetention(RingRetention):
         self._pins_end = 0  # positions below which every row's displaced sinks have arrived
         self._stale = False  # sink copies changed since they were last written to the storage
         self._offset: int | torch.Tensor = 0  # rotation the stored sinks carry
+        self._sink_turned: torch.Tensor | None = None  # static steps: rotate_half of the sinks as they arrived
 
     @property
     def keeps_by_position(self) -> bool:
@@ -77,15 +78,18 @@ class SinkRetention(RingRetention):
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
         self._sink_slots = torch.arange(self.sinks, device=storage.device)
         if self.rotary is not None:
-            self.rotary.on_device(storage.device)
+            self.rotary.prepare_cos_sin(storage.device, self.sink_keys.shape[-1])
+            self._sink_turned = self.rotary.turned(self.sink_keys)
         return super()._enter_static(storage)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """In-cache positions: the sinks are rewritten every step, rotated by the evictions so far
-        (a device offset, so the rotation is built on the device)."""
+        (a device offset: cos and sin built on the device, applied elementwise to the sinks as they
+        arrived and their ``rotate_half``, taken once when static steps began)."""
         if self.rotary is not None:
-            evicted = (self.seen_t + 1 - self.ring_capacity).clamp(min=0)
-            sink_keys = self.rotary.rotate(self.sink_keys, evicted).to(self.sink_values.dtype)
+            evicted = (self.seen_t + (1 - self.ring_capacity)).clamp_(min=0)
+            cos, sin = self.rotary.cos_sin(evicted, self.sink_keys.shape[-1])
+            sink_keys = torch.addcmul(self.sink_keys * cos, self._sink_turned, sin).to(self.sink_values.dtype)
             storage.rewrite_static(self._sink_slots, sink_keys, self.sink_values)
         return super().static_step(storage, keys, values, query)
 
@@ -120,12 +124,12 @@ class SinkRetention(RingRetention):
 
     def reset(self) -> None:
         super().reset()
-        self.pads = self.sink_keys = self.sink_values = None
+        self.pads = self.sink_keys = self.sink_values = self._sink_turned = None
         self._padded, self._pins_end, self._stale, self._offset = False, 0, False, 0
 
     @property
     def state_nbytes(self) -> int:
-        held = [self.sink_keys, self.sink_values, self.pads]
+        held = [self.sink_keys, self.sink_values, self.pads, self._sink_turned]
         return super().state_nbytes + sum(t.nbytes for t in held if t is not None)
 
     # --- internals ---------------------------------------------------------------------

@@ -147,8 +147,10 @@ class RingRetention(Retention):
         leaving the window), which then moves on in place, wrapping to the first ring slot."""
         slot = self._slot_t
         storage.write_static(slot, keys, values)
-        following = slot + 1
-        slot.copy_(torch.where(following < self.ring_capacity, following, self.sinks))
+        # the next ring slot, in place: ``sinks + (slot + 1 - sinks) % ring`` (two or three operations)
+        slot.add_(1 - self.sinks).remainder_(self.ring_capacity - self.sinks)
+        if self.sinks:
+            slot.add_(self.sinks)
         self._static_done(storage)
         return storage.read_static()
 
