@@ -61,6 +61,7 @@ class ExpectedAttentionRetention(ScoredRetention):
     """Expected attention of the coming queries, from running query statistics, per (row, KV head)."""
 
     queries_before_rope = True
+    sets_new_state = True  # the new key's logits and value norm are written, every score taken anew
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ class KeyDiffRetention(ScoredRetention):
     """Recent window + the keys least similar to the mean normalised key, per (row, KV head)."""
 
     needs_queries = False
+    sets_new_state = True  # every score is taken anew from the keys held
 
     def __init__(self, budget: int, recent: int, **options) -> None:
         super().__init__(budget, protected=recent, **options)

@@ -27,6 +27,7 @@ class KNormRetention(ScoredRetention):
     """Recent window + the lowest-norm keys per (row, KV head)."""
 
     needs_queries = False
+    sets_new_state = True  # the new key's score is its norm
 
     def __init__(self, budget: int, recent: int, **options) -> None:
         super().__init__(budget, protected=recent, **options)

@@ -24,6 +24,7 @@ class TOVARetention(ScoredRetention):
     """The ``budget`` tokens the latest query attends to most, per (row, KV head)."""
 
     query_rows = 1  # the latest query only
+    sets_new_state = True  # every score is the latest query's attention
 
     def __init__(self, budget: int, **options) -> None:
         super().__init__(budget, protected=0, **options)

@@ -62,6 +62,9 @@ class ScoredRetention(Retention):
     query_rows: int | None = None
     """How many of a forward's last queries :meth:`score` reads (``None``: all): the hook rotates
     only those, so a statistic of the last queries costs a long prompt nothing for the others."""
+    sets_new_state = False
+    """True when :meth:`score` sets the new tokens' scores and per-slot state itself (a statistic
+    that replaces rather than accumulates): a decode step then does not zero them first."""
 
     def __init__(
         self,
@@ -330,22 +333,29 @@ class ScoredRetention(Retention):
         slot, slots = self.free, self.positions.shape[-1]
         storage.write_static(slot, keys, values)
         self.positions.scatter_(-1, slot, self.seen_t.expand_as(slot))
-        self.scores.scatter_(-1, slot, 0.0)
-        for t in self.extra.values():
-            t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1), 0.0)
-        self.live_t.copy_((self.live_t + 1).clamp(max=slots))
-        all_keys, all_values = storage.read_static()
+        if not self.sets_new_state:
+            self.scores.scatter_(-1, slot, 0.0)
+            for t in self.extra.values():
+                t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1), 0.0)
         # eagerly, the host count says when every slot holds a token (the new one fills the last):
-        # then no key needs masking; compiled, the count is frozen, so the mask stays
-        filled = not torch.compiler.is_compiling() and not self.stale and self.live + 1 >= slots
+        # then no key needs masking and the next free slot is the lowest; compiled, the count is
+        # frozen, so both are decided on the device
+        host = not torch.compiler.is_compiling() and not self.stale
+        filled = host and self.live + 1 >= slots
+        if not (host and self.live >= slots):  # the device count stops at every slot
+            self.live_t.add_(1).clamp_(max=slots)
+        all_keys, all_values = storage.read_static()
         key_mask = None if filled else self.positions >= 0
         seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=self.positions, new_values=values)
-        self.scores.copy_(self.score(seen, self.scores, self.extra))
+        scores = self.score(seen, self.scores, self.extra)
+        if scores is not self.scores:  # a statistic that updated them in place returns them
+            self.scores.copy_(scores)
         # the lowest is used only once every slot is in use (before, the next slot is the append),
         # so no empty slot needs ranking last
-        ranked = self.ranking(self.positions, self.scores, self.seen_t + 1)
-        lowest = self.lowest(self.positions, ranked, self.seen_t + 1, every_slot_held=True)
-        self.free.copy_(torch.where(self.live_t >= slots, lowest, self.live_t))
+        following = self.seen_t + 1
+        ranked = self.ranking(self.positions, self.scores, following)
+        lowest = self.lowest(self.positions, ranked, following, every_slot_held=True)
+        self.free.copy_(lowest if filled else torch.where(self.live_t >= slots, lowest, self.live_t))
         self._static_done(storage)
         if not torch.compiler.is_compiling():
             self.has_free = self.live > self.budget
