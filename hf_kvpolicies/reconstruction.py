@@ -9,7 +9,12 @@ no later question is likely to need either.
 
 The reconstruction runs over the prefilled keys through a :class:`ReplayCache`: each forward
 returns the context's keys followed by the reconstruction's own, and stores nothing, so the
-reconstruction's keys never stay in any cache. Long contexts are reconstructed chunk by chunk
+reconstruction's keys never stay in any cache. Its attention is computed once, for the score and
+for the forward alike: while it runs, the model's attention is :func:`replay_attention` (registered
+with transformers' ``AttentionInterface``), which takes the softmax probabilities a chunk of
+queries at a time with transformers' eager arithmetic, keeps each context key's largest, and
+multiplies them with the values, where the model's own sdpa would compute them a second time.
+Long contexts are reconstructed chunk by chunk
 (``chunk`` context tokens per forward, as in the paper's code); chunks after the first are
 introduced by "starting with" and the previous chunk's last ``overlap`` tokens. Memory stays
 bounded by one chunk's activations and :data:`~hf_kvpolicies.attention_scores.SCORE_CHUNK_ELEMENTS`
@@ -22,8 +27,10 @@ model computes (over the whole context and the reconstruction so far) and a toke
 its maximum over every chunk's queries. Within one chunk (2,048 tokens by default) the two agree.
 
 Cost: the reconstruction processes about as many tokens as the prefill again, each attending to
-the whole context, plus one fp32 pass over those probabilities per layer: prefill work roughly
-doubles to triples (kvpress warns of the same).
+the whole context: its attention reads twice the keys of the prefill's causal one, in fp32
+probabilities rather than a fused kernel, so KVzip's prefill costs about 2.5x a full cache's at
+2,048 tokens on the embedded model (``python -m eval.benchmarks.eviction``); kvpress warns of
+doubling to tripling.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import hooks
-from .attention_scores import max_attention
-from .model_layout import decoder_of, layer_layouts
+from .attention_scores import attention_chunks
+from .model_layout import decoder_of, layer_layouts, text_config
 from .special_tokens import start_ids
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -94,16 +102,57 @@ def answer_opening(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def check_reconstructable(model: PreTrainedModel, policy: str = "KVzipCache") -> None:
     """Refuse what the reconstruction cannot replay: models with sliding-window layers (their
-    caches hold only the window, not the whole context that the reconstruction attends to), and
-    attention whose queries cannot be rebuilt (:func:`~hf_kvpolicies.attention_scores.attention_modules`)."""
+    caches hold only the window, not the whole context that the reconstruction attends to),
+    attention that :func:`replay_attention` does not compute (logit soft-capping, learned
+    attention sinks), and attention whose queries cannot be rebuilt (decoding scores from them:
+    :func:`~hf_kvpolicies.hooks.attention_modules`)."""
+    name = model.config.model_type
     sliding = [layout.index for layout in layer_layouts(model) if layout.is_sliding]
     if sliding:
         raise ValueError(
             f"{policy} replays the whole context through every layer, but layers {sliding} of "
-            f"{model.config.model_type} are sliding-window layers that keep only their window: "
+            f"{name} are sliding-window layers that keep only their window: "
             "use a policy that scores without a replay (h2o) or a model without sliding-window layers"
         )
+    modules = hooks.attention_modules(model)
+    extras = ["logit soft-capping"] if getattr(text_config(model), "attn_logit_softcapping", None) else []
+    extras += ["learned attention sinks"] if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in modules) else []
+    if extras:
+        raise ValueError(
+            f"{policy} computes the reconstruction's attention as plain softmax attention, and {name}'s attention "
+            f"adds {' and '.join(extras)}: use a policy that scores without a replay (h2o, snapkv)"
+        )
     hooks.attach(model).serve_queries(model)
+
+
+REPLAY_ATTENTION = "hf_kvpolicies_replay"
+"""The attention implementation the model runs while it reconstructs (:func:`replay_attention`)."""
+_replaying: list[ReplayCache] = []
+"""The reconstruction under way (the attention function receives no cache)."""
+
+
+def replay_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """The reconstruction's attention (an ``AttentionInterface`` function): its layer scores the
+    context and computes the output from the same probabilities (:meth:`ReplayLayer.attend`).
+    No mask comes in (transformers builds none for an implementation it does not know): the
+    layer knows the causal structure and the padding."""
+    replay = _replaying[-1]
+    layer = replay.layers[module.layer_idx]
+    scaling = module.scaling if scaling is None else scaling
+    if module.layer_idx == len(replay.layers) - 1:  # the rest of the forward serves no score
+        layer.attend(query, key, value, scaling, output=False)
+        raise _LastLayerScored
+    return layer.attend(query, key, value, scaling), None
+
+
+class _LastLayerScored(Exception):
+    """Ends a reconstruction forward once its last layer has scored (its output projection, MLP
+    and final norm would compute what nothing reads)."""
+
+
+AttentionInterface.register(REPLAY_ATTENTION, replay_attention)
 
 
 class ReplayLayer(CacheLayerMixin):
@@ -120,17 +169,28 @@ class ReplayLayer(CacheLayerMixin):
         self.key_mask: torch.Tensor | None = None
         self.query_mask: torch.Tensor | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, query: tuple[torch.Tensor, float] | None = None, *args, **kwargs):
-        """``query``: the reconstruction's queries and scaling (from the query hook, via the cache)."""
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        if query is None:
-            raise RuntimeError("a replayed layer received keys without their queries: the query hook is missing")
-        query, scaling = query
-        context = self.keys.shape[-2]
-        best = max_attention(query, keys, scaling, context, key_mask=self.key_mask, query_mask=self.query_mask)
-        torch.maximum(self.scores, best[..., :context], out=self.scores)
-        return keys, values
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The context's keys and values followed by the reconstruction's (kept nowhere)."""
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, output: bool = True
+    ) -> torch.Tensor | None:
+        """Attention of the reconstruction's ``query`` (``[batch, heads, q, head_dim]``) over the
+        context and itself (causal, pads hidden), ``[batch, q, heads, value_dim]`` as transformers'
+        attention functions return it (with ``output``; else ``None``); on the way, each context
+        key's largest probability over the queries that count and the query heads of its KV head
+        is folded into ``scores``."""
+        batch, heads, length, _ = query.shape
+        kv_heads, context = keys.shape[1], self.keys.shape[-2]
+        out = values.new_empty(batch, kv_heads, heads // kv_heads, length, values.shape[-1]) if output else None
+        for start, stop, probs in attention_chunks(query, keys, scaling, context, self.key_mask):
+            counted = probs if self.query_mask is None else probs * self.query_mask[:, None, None, start:stop, None]
+            torch.maximum(self.scores, counted[..., :context].amax(dim=(2, 3)), out=self.scores)
+            if output:
+                rows = probs.to(values.dtype).flatten(2, 3)  # [batch, kv_heads, groups * n, keys seen]
+                out[:, :, :, start:stop] = torch.matmul(rows, values[:, :, : probs.shape[-1]]).unflatten(2, probs.shape[2:4])
+        return out.view(batch, heads, length, -1).transpose(1, 2).contiguous() if output else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: the layer starts with the context."""
@@ -146,35 +206,10 @@ class ReplayLayer(CacheLayerMixin):
 
 
 class ReplayCache(Cache):
-    """The prefilled context of every layer, attended to by the reconstruction and never extended.
-    It takes part in the forward (:class:`~hf_kvpolicies.hooks.ForwardParticipant`) only to receive
-    every layer's queries."""
+    """The prefilled context of every layer, attended to by the reconstruction and never extended."""
 
     def __init__(self, layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__(layers=[ReplayLayer(keys, values) for keys, values in layers_kv])
-        self.queries: dict[int, tuple[torch.Tensor, float]] = {}
-
-    def before_forward(self, token: str, inputs: torch.Tensor, attention_mask, config, dtype: torch.dtype):
-        self.queries.clear()
-        return hooks.UNCHANGED
-
-    def layer_mask(self, layer_idx: int) -> None:
-        return None
-
-    def query_rows(self, layer_idx: int) -> int:
-        return hooks.ALL_QUERIES
-
-    def queries_before_rope(self, layer_idx: int) -> bool:
-        return False
-
-    def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
-        self.queries[layer_idx] = (query, scaling)
-
-    def after_forward(self) -> None:
-        self.queries.clear()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self.queries.pop(layer_idx, None))
 
     def set_masks(self, key_mask: torch.Tensor | None, query_mask: torch.Tensor | None) -> None:
         """Which keys are real tokens and which reconstruction queries count, for the next forward."""
@@ -205,26 +240,29 @@ def reconstruction_scores(
     stored = {tuple(keys.shape[::2]) for keys, _ in layers_kv}
     if stored != {(batch, context)}:
         raise ValueError(f"the cached keys hold {sorted(stored)} (batch, tokens); the context ids are {(batch, context)}")
-    hooks.attach(model).serve_queries(model)  # idempotent: the replay's queries come through the query hooks
     device = layers_kv[0][0].device
     real = torch.ones(batch, context, dtype=torch.bool) if padding is None else padding.to("cpu", torch.bool)
     rows = [ids[mask].tolist() for ids, mask in zip(context_ids.cpu(), real)]
     per_row = [prompt.chunks(ids, chunk) for ids in rows]
     replay = ReplayCache(layers_kv)
     decoder = decoder_of(model)
-    for index in range(max(len(prompts) for prompts in per_row)):
-        chunk_prompts = [prompts[index] if index < len(prompts) else [] for prompts in per_row]
-        ids, query_mask, positions = _left_padded(chunk_prompts, [len(ids) for ids in rows])
-        key_mask = torch.cat([real, query_mask], dim=1)
-        uniform = bool(key_mask.all())
-        replay.set_masks(None if uniform else key_mask.to(device), None if uniform else query_mask.to(device))
-        decoder(
-            input_ids=ids.to(device),
-            attention_mask=None if uniform else key_mask.to(device, torch.long),
-            position_ids=positions.to(device),
-            cache=replay,
-            use_cache=True,
-        )
+    own = model.config._attn_implementation
+    _replaying.append(replay)
+    model.set_attn_implementation(REPLAY_ATTENTION)
+    try:
+        for index in range(max(len(prompts) for prompts in per_row)):
+            chunk_prompts = [prompts[index] if index < len(prompts) else [] for prompts in per_row]
+            ids, query_mask, positions = _left_padded(chunk_prompts, [len(ids) for ids in rows])
+            key_mask = torch.cat([real, query_mask], dim=1)
+            uniform = bool(key_mask.all())
+            replay.set_masks(None if uniform else key_mask.to(device), None if uniform else query_mask.to(device))
+            try:
+                decoder(input_ids=ids.to(device), position_ids=positions.to(device), cache=replay, use_cache=True)
+            except _LastLayerScored:
+                pass
+    finally:
+        model.set_attn_implementation(own)
+        _replaying.pop()
     return [layer.scores for layer in replay.layers]
 
 

@@ -150,3 +150,29 @@ def test_mismatched_context_is_refused():
     ids = random_ids(1, 12)
     with pytest.raises(ValueError, match="context ids"):
         reconstruction_scores(model, prefilled(model, ids), ids[:, :10], PROMPT)
+
+
+def test_attention_the_replay_does_not_compute_is_refused():
+    model = tiny_llama()
+    model.config.attn_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="adds logit soft-capping: use a policy that scores without a replay"):
+        check_reconstructable(model)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_the_models_own_attention_is_back_after_the_replay_and_after_an_error(implementation, monkeypatch, one_thread):
+    model = tiny_llama()
+    model.set_attn_implementation(implementation)
+    ids = random_ids(1, 20)
+    before = model(ids).logits
+    reconstruction_scores(model, prefilled(model, ids), ids, PROMPT)
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(model(ids).logits, before)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr("hf_kvpolicies.reconstruction.ReplayLayer.attend", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        reconstruction_scores(model, prefilled(model, ids), ids, PROMPT)
+    assert model.config._attn_implementation == implementation
