@@ -32,7 +32,7 @@ BUDGET = 32
 CONTEXTS = (96, 384)
 SCORED_EXTRA = 80
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
-choosing the slot to free and writing per-slot state (46 for SnapKV, 58 for Expected Attention)."""
+choosing the slot to free and writing per-slot state (43 for SnapKV, 52 for Expected Attention)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
 CHUNK_EXTRA = 40
