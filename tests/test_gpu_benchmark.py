@@ -18,12 +18,12 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(capsys):
     assert len(out) == 1 and "no CUDA device" in out[0]
 
 
-def test_tiny_run_times_every_contender_at_every_context(capsys):
+def test_tiny_run_times_every_contender(capsys):
     assert gpu.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--backend", "eager"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     cells = {(row[0].strip(), int(row[1])): row[2].strip() for row in rows if row[1].strip().isdigit()}
-    for context in (48, 96):
+    for context in (64,):
         assert float(cells["DynamicCache", context]) > 0
         assert float(cells["StaticCache compiled", context]) > 0  # compiled with fullgraph=True
         for name in available_policies():

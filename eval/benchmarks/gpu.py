@@ -152,7 +152,7 @@ def measure(args: argparse.Namespace, shape: str, deadline: float, skipped: list
     model.set_attn_implementation("sdpa")
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (1, max(args.contexts) + 1), device=device)
+    ids = torch.randint(3, vocab, (1, max(args.contexts) + 2), device=device)  # the operation count decodes two steps
     policies = args.policies or [name for name in available_policies()]
     context = min(args.contexts)  # the launch budget first: a count, the same on every machine
     counts = ops.count(model, ids, context, min(args.budgets), policies)
@@ -222,7 +222,7 @@ def table(shape: str, rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     if args.tiny:
-        args.shapes, args.contexts, args.budgets, args.steps, args.warmup = ["tiny"], [48, 96], [16, 32], 4, 2
+        args.shapes, args.contexts, args.budgets, args.steps, args.warmup = ["tiny"], [64], [16], 4, 2
     if args.cpu:  # the preset's values, where the command line left the defaults
         defaults = arguments().parse_args([])
         preset = dict(shapes=["smollm2"], contexts=[1024, 4096], budgets=[256], device="cpu", dtype="float32",
