@@ -72,6 +72,24 @@ def test_rotation_by_d_equals_the_model_rotating_at_p_plus_d(name):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_cos_sin_of_a_device_offset_rotate_as_the_model_does(name):
+    """What a static sink step applies: ``keys * cos + turned(keys) * sin`` from a 0-d offset."""
+    model = VARIANTS[name]()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    keys = torch.randn(3, 2, 5, head_dim, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(5).expand(3, 5)
+    stored = model_rotation(model, keys, positions, "full_attention")
+    rotary = rotary_of(model, "full_attention")
+    rotary.prepare_cos_sin(stored.device, head_dim)
+    turned = rotary.turned(stored)
+    for offset in (0, 17, 300):
+        cos, sin = rotary.cos_sin(torch.tensor(offset), head_dim)
+        expected = model_rotation(model, keys, positions + offset, "full_attention")
+        torch.testing.assert_close(stored * cos + turned * sin, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_mean_rotation_over_a_window_is_the_mean_of_the_models_rotations(name):
     """``m . (R^T k)`` equals the mean over the window of the model's own rotation of ``m``, dotted
     with ``k``: layout, partial rotary and attention scaling (YaRN) included, per row's window."""
