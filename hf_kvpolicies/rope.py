@@ -41,7 +41,6 @@ class Rotary:
         """What the model folds into its cos and sin (YaRN, LongRoPE): a re-rotation never applies it
         (the stored key carries it already); the model's rotation of a query, averaged, does."""
         self._memo: tuple[tuple, torch.Tensor] | None = None
-        self._freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copies on devices, made eagerly
         self._window_on: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
         self._layout_freq_on: dict[tuple[torch.device, int], torch.Tensor] = {}  # per rotated dim, float64
 
@@ -59,9 +58,6 @@ class Rotary:
         matrix (the last one is memoised). Angles are taken in float64, so large offsets lose no
         precision; the dims past ``rotary_dim`` (partial rotary) pass through unchanged.
         """
-        if isinstance(offset, torch.Tensor) and offset.dim() == 0:
-            # a static decode step's offset lives on the device: built there, nothing read back
-            return self._build(offset.to(torch.float64), head_dim).to(dtype)
         per_row = isinstance(offset, torch.Tensor)
         key = (tuple(offset.tolist()) if per_row else offset, head_dim, dtype, device)
         if self._memo is not None and self._memo[0] == key:
@@ -77,17 +73,10 @@ class Rotary:
         self._memo = (key, matrix)
         return matrix
 
-    def on_device(self, device: torch.device) -> torch.Tensor:
-        """``inv_freq`` on ``device``, copied once (call it eagerly before compiled steps use it:
-        a host tensor inside a CUDA graph would make it skip the graph)."""
-        if device not in self._freq_on:
-            self._freq_on[device] = self.inv_freq.to(device)
-        return self._freq_on[device]
-
     def _build(self, steps: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """The float64 rotation matrices for ``steps`` (float64, on the device they are built on)."""
+        """The float64 rotation matrices for ``steps`` (float64, on the host)."""
         device = steps.device
-        angles = steps * self.on_device(device)
+        angles = steps * self.inv_freq
         angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
         dim = self.rotary_dim
         basis = torch.eye(dim, dtype=torch.float64, device=device)  # row j becomes the image of basis vector j
@@ -108,7 +97,8 @@ class Rotary:
         """``[head_dim]`` float32 cos and sin of a rotation by ``offset`` (a 0-d long tensor on the
         device, nothing read back; angles in float64), ``1`` and ``0`` past the rotated dims:
         five operations where :meth:`matrix` builds a ``head_dim x head_dim`` matrix. The
-        frequencies come from :meth:`on_device` (call it eagerly first)."""
+        frequencies come from :meth:`prepare_cos_sin` (call it eagerly first: a host tensor inside
+        a CUDA graph would make it skip the graph)."""
         freq = self._layout_freq_on[(offset.device, head_dim)]
         angles = offset * freq
         return angles.cos().float(), angles.sin().float()
