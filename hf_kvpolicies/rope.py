@@ -107,10 +107,14 @@ class Rotary:
         """Make the per-dim frequencies :meth:`cos_sin` uses on ``device`` (eagerly, once)."""
         key = (device, head_dim)
         if key not in self._layout_freq_on:
-            freq = self.inv_freq.repeat_interleave(2) if self.interleaved else self.inv_freq.repeat(2)
+            freq = self._per_dim()
             padded = torch.zeros(head_dim, dtype=torch.float64)
             padded[: freq.numel()] = freq
             self._layout_freq_on[key] = padded.to(device)
+
+    def _per_dim(self) -> torch.Tensor:
+        """The frequency of each rotated dim in the model's layout (float64, on the host)."""
+        return self.inv_freq.repeat_interleave(2) if self.interleaved else self.inv_freq.repeat(2)
 
     def rotate(self, keys: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
         """``keys`` (``[batch, heads, n, head_dim]``, already rotated) moved ``offset`` positions later,
@@ -149,7 +153,7 @@ class Rotary:
         ``t`` is 0); made once per device and window, eagerly (as :meth:`on_device`)."""
         key = (device, count)
         if key not in self._window_on:
-            freq = self.inv_freq.repeat_interleave(2) if self.interleaved else self.inv_freq.repeat(2)
+            freq = self._per_dim()
             half = freq / 2
             spread = torch.where(half.sin() == 0, 1.0, (count * half).sin() / (count * half.sin()))
             self._window_on[key] = tuple(t.to(device) for t in (freq, freq * (count - 1) / 2, spread * self.attention_scaling))
