@@ -48,12 +48,17 @@ def layer_ops(name: str, context: int, **extra) -> int:
     kwargs = {**(constructor.budget_parameters(BUDGET) or {}), **extra}
     if "tokenizer" in inspect.signature(constructor).parameters:
         kwargs["tokenizer"] = char_tokenizer()
-    cache = constructor(model, **kwargs)
+    return step_ops(model, constructor(model, **kwargs), context, views=False)
+
+
+def step_ops(model, cache, context: int, views: bool) -> int:
+    """Operations of layer 1's third decode step after a ``context``-token prefill (the first step
+    may still fill the buffer's last slot), views counted or not."""
     ids = random_ids(1, context + 3)
     model(ids[:, :context], cache=cache)
-    model(ids[:, context : context + 1], cache=cache)  # the first step may still fill the buffer's last slot
+    model(ids[:, context : context + 1], cache=cache)
     model(ids[:, context + 1 : context + 2], cache=cache)
-    counter = OperationCounter(model.model.layers[1], views=False)
+    counter = OperationCounter(model.model.layers[1], views=views)
     with counter:
         model(ids[:, context + 2 :], cache=cache)
     counter.close()
@@ -94,17 +99,7 @@ its sinks by the evictions so far (cos and sin of one angle per dim, one multipl
 def added_ops(spec: str, context: int = 96) -> int:
     """Operations of layer 1's decode step under ``spec`` beyond ``DynamicCache``'s, views included."""
     model = tiny_llama(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
-    ids = random_ids(1, context + 3)
-    totals = []
-    for cache in (DynamicCache(config=model.config), from_spec(model, spec)):
-        for end in (context, context + 1, context + 2):
-            model(ids[:, end - (context if end == context else 1) : end], cache=cache)
-        counter = OperationCounter(model.model.layers[1])
-        with counter:
-            model(ids[:, context + 2 :], cache=cache)
-        counter.close()
-        totals.append(counter.count)
-    return totals[1] - totals[0]
+    return step_ops(model, from_spec(model, spec), context, True) - step_ops(model, DynamicCache(config=model.config), context, True)
 
 
 @pytest.mark.parametrize("spec", ["window:window=32", "full", "full:max_length=128", "sink:sink_tokens=4,window=28"])

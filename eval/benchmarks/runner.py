@@ -125,6 +125,8 @@ def table(contenders: list[Contender]) -> str:
             ratio = value / base[column] if base.get(column) else float("nan")
             exact = column.startswith("ppl")  # perplexity targets are set within a thousandth
             shown = f"{value:.3f}" if exact else f"{value:.3g}"
-            cells.append(f"{shown} ({ratio:.4f}x)" if exact and contender is not contenders[0] else f"{shown} ({ratio:.2f}x)" if contender is not contenders[0] else shown)
+            if contender is not contenders[0]:
+                shown += f" ({ratio:.4f}x)" if exact else f" ({ratio:.2f}x)"
+            cells.append(shown)
         lines.append(f"| {contender.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
