@@ -173,7 +173,12 @@ class PolicyLayer(CacheLayerMixin):
         return retention.seen_t if retention.static and retention.stale else retention.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.retention.static:
+        retention = self.retention
+        if retention.static:
+            if query_length == 1 and retention.is_sliding:
+                # a model's sliding mask: every slot in use holds one of the last `capacity` positions,
+                # so slot j stands at position offset + j, inside the window (host ints: Counts.follow_compiled)
+                return self.storage.capacity, max(retention.seen + 1 - self.storage.capacity, 0)
             if query_length == 1:
                 return self.storage.capacity, 0
             self.host_state()

@@ -108,6 +108,37 @@ def test_compiled_decoding_traces_once_and_matches_eager(name, storage, one_thre
         assert kept_positions(compiled_cache)[0] == list(range(sinks)) + list(range(total - 8, total))
 
 
+SLIDING_MODEL_POLICIES = sorted(set(POLICIES) - {"kvzip"})
+"""KVzip refuses models with sliding layers (its replay needs the whole context in every layer)."""
+
+
+@pytest.mark.parametrize("name", SLIDING_MODEL_POLICIES)
+def test_a_model_with_its_own_sliding_layers_compiles(name, one_thread):
+    """Gemma 3: the policy on the full-attention layers, transformers' window on the sliding ones
+    (rings whose slots, once filled, hold the window's last positions); the compiled step traces
+    at most twice (the host counts the sliding mask reads become symbolic after one recompile)."""
+    model = tiny_gemma3()
+    prompt = random_ids(1, PROMPT, seed=9)
+    eager_cache, compiled_cache, host = (POLICIES[name](model, "native") for _ in range(3))
+    assert eager_cache.is_compileable
+    for layer in host.layers:
+        layer.static_allowed = False
+    expected = decode(model, eager_cache, prompt, STEPS)
+    assert decode(model, host, prompt, STEPS) == expected  # the static steps keep the policy's tokens
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
+    assert decode(model, compiled_cache, prompt, STEPS, compiled) == expected
+    assert 1 <= counter.frame_count <= 2
+    with torch.no_grad():
+        for cache in (eager_cache, compiled_cache):
+            model(torch.tensor([[5]]), cache=cache)
+    kept = kept_positions(compiled_cache)
+    assert kept == kept_positions(eager_cache)
+    total = PROMPT + STEPS + 1
+    assert kept[0] == list(range(total - 7, total))  # the sliding layers keep the model's window (8 with the query)
+
+
 def test_a_prompt_within_the_budget_fills_the_buffer_statically(one_thread):
     """Unfilled slots are masked: a window longer than the whole stream equals the pre-sized full cache."""
     model = tiny_llama()
@@ -130,9 +161,11 @@ def test_inductor_compiled_window_matches_eager(one_thread):
     assert decode(model, SlidingWindowCache(model, window=8), prompt, 12, compiled) == expected
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8"])
-def test_generate_with_a_compile_config_compiles_the_decode_step(storage, one_thread):
-    model = tiny_llama()
+@pytest.mark.parametrize("model_name, storage", [("llama", "native"), ("llama", "fp8"), ("gemma3", "native")])
+def test_generate_with_a_compile_config_compiles_the_decode_step(model_name, storage, one_thread):
+    """generate() builds a compiled step's masks eagerly, between steps: Gemma 3's sliding mask
+    then reads host counts that the compiled steps kept current."""
+    model = tiny_llama() if model_name == "llama" else tiny_gemma3()
     prompt = random_ids(2, PROMPT, seed=6)
     options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
     expected = model.generate(prompt, cache=H2OCache(model, heavy=4, recent=4, storage=storage), **options)
@@ -156,7 +189,8 @@ def test_is_compileable_exactly_where_decode_steps_are_static():
     assert not FP8Cache(model).is_compileable
     assert not H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid").is_compileable  # sizes differ per layer
     assert not H2OCache(model, heavy=4, recent=4, head_budgets="adaptive").is_compileable  # per-head masks
-    assert not SlidingWindowCache(tiny_gemma3(), window=4).is_compileable  # the model's own sliding layers
+    assert SlidingWindowCache(tiny_gemma3(), window=4).is_compileable  # the model's own sliding layers too
+    assert not FullCache(tiny_gemma3()).is_compileable  # its full-attention layers grow
 
 
 def test_a_padded_batch_is_refused_inside_a_compiled_step_and_served_eagerly(one_thread):
@@ -203,14 +237,17 @@ def step_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack(logits)
 
 
+@pytest.mark.parametrize(
+    "model_name, name",
+    [("llama", name) for name in sorted(POLICIES)] + [("gemma3", name) for name in SLIDING_MODEL_POLICIES],
+)
 @pytest.mark.parametrize("storage", ["native", "fp8", "fp8:residual=3", INT_STORAGE, "int2:key_axis=token;residual=3"])
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_static_steps_give_the_logits_of_the_host_bookkept_path(name, storage, one_thread):
+def test_static_steps_give_the_logits_of_the_host_bookkept_path(name, storage, model_name, one_thread):
     """The static step (whole fixed buffer, device indices) and the eager update that the prefill
     and padded batches take (host slot bookkeeping) are two implementations of one policy: they
     must agree step for step (fp8 and int included: which tokens the residual holds natively, when
-    a key group is quantised)."""
-    model = tiny_llama()
+    a key group is quantised; Gemma 3's own sliding layers included)."""
+    model = tiny_llama() if model_name == "llama" else tiny_gemma3()
     prompt = random_ids(1, PROMPT, seed=8)
     static, host = POLICIES[name](model, storage), POLICIES[name](model, storage)
     for layer in host.layers:

@@ -26,9 +26,15 @@ class Counts:
         """True once a compiled static step ran: the host ints lag ``seen_t`` until :meth:`sync`."""
         self.entry = (0, 0)
         """``(seen, live)`` when static steps began."""
+        self.follow_compiled = False
+        """Set where the host ints must stay current under compile too (a model's own sliding layer:
+        transformers' sliding mask takes their kv offset as an int). Dynamo then recompiles once and
+        makes them symbolic inputs, as for ``StaticSlidingWindowLayer.cumulative_length_int``."""
 
     def reset(self) -> None:
+        follow = self.follow_compiled
         self.__init__()
+        self.follow_compiled = follow
 
     def enter(self, device: torch.device) -> torch.Tensor:
         """Static steps begin (eagerly): the device copy takes the host count; returns it."""
@@ -43,7 +49,7 @@ class Counts:
         """One static step: the device count moves on; eagerly the host ints follow (nothing read
         back), compiled they go stale."""
         self.seen_t.add_(1)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not self.follow_compiled:
             self.stale = True
         else:
             self.seen += 1

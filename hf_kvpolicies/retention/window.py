@@ -35,6 +35,7 @@ class RingRetention(Retention):
         self.sinks = sinks
         self.band = band
         self.is_sliding = band is not None
+        self.counts.follow_compiled = self.is_sliding
         self._next = 0
         self._slot_t: torch.Tensor | None = None  # static steps: ``_next`` on the device (``[1]`` long)
 
@@ -127,10 +128,9 @@ class RingRetention(Retention):
         self._slot_t = None
 
     # --- the static decode step -------------------------------------------------------------
-    @property
-    def compileable(self) -> bool:
-        """A model's own sliding layer needs transformers' sliding mask over positions: not static."""
-        return self.band is None
+    compileable = True
+    """On a model's own sliding layer too: once the ring holds ``capacity`` tokens they are the last
+    ``capacity`` positions, which transformers' sliding mask shows (see ``PolicyLayer.get_mask_sizes``)."""
 
     def static_ready(self, storage: Storage) -> bool:
         return storage.is_allocated and not self.record_past and self.seen >= self.sinks and self.live <= self.ring_capacity
