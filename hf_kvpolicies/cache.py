@@ -78,7 +78,8 @@ class PolicyLayer(CacheLayerMixin):
         self._make_storage = storage
         self.storage: Storage = storage()
         self.padded = False
-        """Set by the cache on a padded batch (the layout then needs exact per-row masks)."""
+        """Set by the cache on a padded batch where some layer is not in position order: the cache
+        then builds every layer's exact per-row masks from host positions, so no layer is static."""
         self.static_allowed = False
         """Set by the cache: every layer can be static, so transformers builds the masks static steps need."""
 
@@ -146,8 +147,7 @@ class PolicyLayer(CacheLayerMixin):
         """After an eager forward: decode steps become static where they can (see the class doc)."""
         self.host_state()
         retention = self.retention
-        exact_masks = self.padded and not retention.in_position_order
-        if self.static_allowed and not exact_masks and retention.static_ready(self.storage):
+        if self.static_allowed and not self.padded and retention.static_ready(self.storage):
             retention.enter_static(self.storage)
 
     def host_state(self) -> None:
