@@ -150,7 +150,7 @@ class Rotary:
     def _window(self, device: torch.device, count: int) -> tuple[torch.Tensor, ...]:
         """Per rotated dim (the model's layout), float64: the frequency ``t``, the window's centre
         offset ``(count - 1) t / 2``, and ``s sin(count t / 2) / (count sin(t / 2))`` (``s`` where
-        ``t`` is 0); made once per device and window, eagerly (as :meth:`on_device`)."""
+        ``t`` is 0); made once per device and window, eagerly (as :meth:`prepare_cos_sin`)."""
         key = (device, count)
         if key not in self._window_on:
             freq = self._per_dim()

@@ -4,7 +4,8 @@ Eager forwards read and change the host ints. Static decode steps (the same code
 torch.compile) advance a device copy of ``seen`` and never read anything back: eagerly the host
 ints follow along (plain arithmetic), compiled they cannot change (dynamo would recompile for each
 value), so they go *stale* until :meth:`Counts.sync` reads the device copy once, before the host
-bookkeeping is used again. As ``StaticLayer`` keeps one device counter, static steps keep one.
+bookkeeping is used again (unless ``follow_compiled``: then they follow compiled steps too). As
+``StaticLayer`` keeps one device counter, static steps keep one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 class Counts:
     """``seen`` (tokens seen, kept or not) and ``live`` (slots ``[0, live)`` in use)."""
 
-    def __init__(self) -> None:
+    def __init__(self, follow_compiled: bool = False) -> None:
         self.seen = 0
         self.live = 0
         self.seen_t: torch.Tensor | None = None
@@ -26,15 +27,13 @@ class Counts:
         """True once a compiled static step ran: the host ints lag ``seen_t`` until :meth:`sync`."""
         self.entry = (0, 0)
         """``(seen, live)`` when static steps began."""
-        self.follow_compiled = False
-        """Set where the host ints must stay current under compile too (a model's own sliding layer:
+        self.follow_compiled = follow_compiled
+        """True where the host ints must stay current under compile too (a model's own sliding layer:
         transformers' sliding mask takes their kv offset as an int). Dynamo then recompiles once and
         makes them symbolic inputs, as for ``StaticSlidingWindowLayer.cumulative_length_int``."""
 
     def reset(self) -> None:
-        follow = self.follow_compiled
-        self.__init__()
-        self.follow_compiled = follow
+        self.__init__(self.follow_compiled)
 
     def enter(self, device: torch.device) -> torch.Tensor:
         """Static steps begin (eagerly): the device copy takes the host count; returns it."""
@@ -47,7 +46,7 @@ class Counts:
 
     def advance(self, capacity: int) -> None:
         """One static step: the device count moves on; eagerly the host ints follow (nothing read
-        back), compiled they go stale."""
+        back), compiled they go stale, or follow as well where ``follow_compiled``."""
         self.seen_t.add_(1)
         if torch.compiler.is_compiling() and not self.follow_compiled:
             self.stale = True
