@@ -6,6 +6,10 @@ recomputed here from the queries the hooks hand over (:mod:`hf_kvpolicies.hooks`
 attention sees, with transformers' eager arithmetic (``q @ k^T * scaling``, then an fp32
 softmax), a chunk of queries at a time so that a long prompt never holds its whole query x key
 matrix.
+
+Where a statistic computes every query's probabilities over every key attention sees, it can also
+compute attention's output from them (``values=``, ``output=``): the model's attention then
+returns that output (:mod:`hf_kvpolicies.hooks`) instead of computing the softmax a second time.
 """
 
 from __future__ import annotations
@@ -98,14 +102,18 @@ def accumulated_attention(
     chunk_elements: int | None = None,
     key_mask: torch.Tensor | None = None,
     query_mask: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax probability received by each key, summed over queries and the query heads of its KV head.
 
     Arguments as in :func:`attention_chunks`; ``query_mask`` (``[batch, q]`` bool, optional)
-    drops the queries of pads. Returns fp32 ``[batch, kv_heads, k]``; the full query x key
-    matrix of a long prompt is never held at once.
+    drops the queries of pads; with ``values`` and ``output`` (:func:`new_attention_output`), the
+    attention output of every query is written into ``output`` from the same probabilities.
+    Returns fp32 ``[batch, kv_heads, k]``; the full query x key matrix of a long prompt is never
+    held at once.
     """
-    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=False)
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, False, values, output)
 
 
 def max_attention(
@@ -116,11 +124,13 @@ def max_attention(
     chunk_elements: int | None = None,
     key_mask: torch.Tensor | None = None,
     query_mask: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The largest softmax probability each key receives from any query, over the query heads of
     its KV head (KVzip's statistic). Arguments as in :func:`accumulated_attention`; returns fp32
     ``[batch, kv_heads, k]``, 0 for keys that no query sees (pads, the queries' future)."""
-    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, largest=True)
+    return received_attention(query, keys, scaling, first_new, chunk_elements, key_mask, query_mask, True, values, output)
 
 
 def received_attention(
@@ -132,12 +142,18 @@ def received_attention(
     key_mask: torch.Tensor | None,
     query_mask: torch.Tensor | None,
     largest: bool,
+    values: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each key's probabilities over the queries and the query heads of its KV head, chunk by
-    chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either)."""
+    chunk: their sum, or with ``largest`` their maximum (pad queries contribute 0 to either);
+    with ``values``, attention's output written into ``output`` on the way."""
     batch, kv_heads, key_count = keys.shape[0], keys.shape[1], keys.shape[2]
     total: torch.Tensor | None = None
     for start, stop, probs in attention_chunks(query, keys, scaling, first_new, key_mask, chunk_elements):
+        if values is not None:
+            rows = probs.to(values.dtype).flatten(2, 3)  # [batch, kv_heads, groups * n, keys seen]
+            output[:, :, :, start:stop] = torch.matmul(rows, values[:, :, : probs.shape[-1]]).unflatten(2, probs.shape[2:4])
         if query_mask is not None:
             probs = probs * query_mask[:, None, None, start:stop, None]
         received = probs.amax(dim=(2, 3)) if largest else probs.sum(dim=(2, 3))
@@ -154,3 +170,18 @@ def received_attention(
     if total is None:  # no queries
         return torch.zeros(batch, kv_heads, key_count, dtype=torch.float32, device=keys.device)
     return total
+
+
+def new_attention_output(query: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """An empty ``[batch, kv_heads, groups, q, value_dim]`` buffer for the attention output of
+    ``query`` (``[batch, query_heads, q, head_dim]``) over ``values`` (``[batch, kv_heads, k, value_dim]``)."""
+    batch, heads, length, _ = query.shape
+    kv_heads = values.shape[1]
+    return values.new_empty(batch, kv_heads, heads // kv_heads, length, values.shape[-1])
+
+
+def as_attention_result(output: torch.Tensor) -> torch.Tensor:
+    """A filled :func:`new_attention_output` buffer as transformers' attention functions return
+    their output: ``[batch, q, query_heads, value_dim]``, contiguous."""
+    batch, kv_heads, groups, length, width = output.shape
+    return output.view(batch, kv_heads * groups, length, width).transpose(1, 2).contiguous()

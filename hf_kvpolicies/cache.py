@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import logging
 
 from . import hooks
+from .attention_scores import as_attention_result
 from .masks import allowed_keys, check_mask_format, masks_by_layer_type, prompt_padding, to_attention_format
 from .model_layout import LayerLayout, layer_layouts, max_positions
 from .retention import Retention, RingRetention
@@ -423,6 +424,26 @@ class PolicyCache(Cache):
 
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         self.forward.queries[layer_idx] = (query, scaling)
+
+    def computes_attention(self, layer_idx: int, queries: int) -> bool:
+        """Whether layer ``layer_idx``'s statistic computes this forward's attention output from the
+        probabilities it scores with (a forward of several queries; decode steps keep the model's
+        attention, which compiles as the static step expects); if so, the layer is asked to."""
+        retention = self.layers[layer_idx].retention
+        if not retention.computes_attention():
+            return False
+        retention.output_wanted, retention.attention_output = queries > 1, None
+        return queries > 1
+
+    def attention_output(self, layer_idx: int) -> torch.Tensor | None:
+        """The output layer ``layer_idx``'s statistic computed in this forward (``[batch, q, heads,
+        value_dim]``), taken once; ``None`` where it computed none."""
+        retention = self.layers[layer_idx].retention
+        output = getattr(retention, "attention_output", None)
+        if output is None:
+            return None
+        retention.output_wanted, retention.attention_output = False, None
+        return as_attention_result(output)
 
     def after_forward(self) -> None:
         """The forward is over (subclasses finish what waits for every layer: trims, reconstruction)."""

@@ -17,6 +17,13 @@ cache's own methods (:class:`ForwardParticipant`):
   it has just computed) and handed over with ``receive_query(layer_idx, query, scaling)``;
 * a decoder forward hook: ``after_forward()``.
 
+Where a layer's statistic computes the softmax probabilities of every query of a forward over
+every key attention sees (H2O, KVzip after its reconstruction), ``computes_attention(layer_idx,
+queries)`` lets it compute attention's output from them as well: the module's attention then runs
+:func:`shared_attention`, which returns ``attention_output(layer_idx)`` instead of computing the
+softmax a second time (the module's configured implementation is swapped in the module's pre-hook,
+after the forward's masks are built, and back as the function is called).
+
 Any other cache (``DynamicCache``, a cache given to another model) meets hooks that return after
 one check: the model's own outputs are unchanged. The attention-module hooks are installed only
 when a cache needs them (:func:`serve_attention`, :func:`serve_queries`).
@@ -32,6 +39,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masks import MASK_FORMATS
 from .model_layout import decoder_of
@@ -52,6 +61,8 @@ class ForwardParticipant(Protocol):
     def query_rows(self, layer_idx: int) -> int | None: ...
     def queries_before_rope(self, layer_idx: int) -> bool: ...
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None: ...
+    def computes_attention(self, layer_idx: int, queries: int) -> bool: ...
+    def attention_output(self, layer_idx: int) -> torch.Tensor | None: ...
     def after_forward(self) -> None: ...
 
 
@@ -86,6 +97,8 @@ class Dispatcher:
 
     # --- the decoder ------------------------------------------------------------------------
     def _before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        for tap in self.taps or ():  # a forward that raised between a swap and its attention
+            tap.restore()
         cache = cache_in(kwargs)
         if not participates(cache):
             self.current = None
@@ -118,6 +131,7 @@ class Dispatcher:
             tap = _AttentionTap(self, module)
             self.handles.append(module.register_forward_pre_hook(tap.before, with_kwargs=True))
             self.taps.append(tap)
+            setattr(module, TAP_ATTRIBUTE, tap)
 
     def serve_queries(self, model: nn.Module) -> None:
         """Install the query hooks, once; ``ValueError`` for a model whose queries cannot be rebuilt."""
@@ -132,6 +146,9 @@ class Dispatcher:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for tap in self.taps or ():
+            tap.restore()
+            setattr(tap.module, TAP_ATTRIBUTE, None)
 
 
 class _AttentionTap:
@@ -143,6 +160,8 @@ class _AttentionTap:
         self.rows: int | None = None
         self.position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
         """The rotation of this forward's queries; ``None`` where the policy reads them before it."""
+        self.own_implementation: str | None = None
+        """The module's configured attention while :func:`shared_attention` stands in for it."""
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         """Arm the query hook if the layer's policy reads queries; swap in the layer's own mask. A
@@ -159,6 +178,10 @@ class _AttentionTap:
             if not cache.queries_before_rope(layer):
                 check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
                 self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                if rows == ALL_QUERIES and not module.training and cache.computes_attention(layer, hidden.shape[1]):
+                    self.own_implementation = module.config._attn_implementation
+                    module.config._attn_implementation = SHARED_ATTENTION
         mask = cache.layer_mask(layer)
         if mask is None:
             return None
@@ -180,6 +203,39 @@ class _AttentionTap:
         if rotation is not None:
             query, _ = self.rope(query, query[:, :0], *rotation)  # the rotation takes a key too: an empty one
         self.dispatcher.current.receive_query(module.layer_idx, query, module.scaling)
+
+
+    def restore(self) -> str | None:
+        """Put the module's own attention implementation back (if swapped); returns it."""
+        own, self.own_implementation = self.own_implementation, None
+        if own is not None:
+            self.module.config._attn_implementation = own
+        return own
+
+
+TAP_ATTRIBUTE = "_hf_kvpolicies_tap"
+SHARED_ATTENTION = "hf_kvpolicies_shared"
+"""The attention implementation a layer runs while its statistic computes its output."""
+
+
+def shared_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output the layer's statistic computed from its probabilities (an ``AttentionInterface``
+    function, run only where the module's pre-hook swapped it in). The module's own implementation
+    computes it instead where there is none, or where the call asks for what the statistic's
+    softmax does not have (attention weights, soft-capping, learned sinks)."""
+    tap = getattr(module, TAP_ATTRIBUTE)
+    own = tap.restore()
+    cache = tap.dispatcher.current
+    output = None if cache is None else cache.attention_output(module.layer_idx)
+    if output is None or kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in ("softcap", "s_aux")):
+        default = sys.modules[type(module).__module__].eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS.get_interface(own, default)(module, query, key, value, attention_mask, **kwargs)
+    return output, None
+
+
+AttentionInterface.register(SHARED_ATTENTION, shared_attention)
 
 
 def query_before_rope(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenize
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import hooks
-from .attention_scores import attention_chunks
+from .attention_scores import as_attention_result, max_attention, new_attention_output
 from .model_layout import decoder_of, layer_layouts, text_config
 from .special_tokens import start_ids
 
@@ -181,16 +181,13 @@ class ReplayLayer(CacheLayerMixin):
         attention functions return it (with ``output``; else ``None``); on the way, each context
         key's largest probability over the queries that count and the query heads of its KV head
         is folded into ``scores``."""
-        batch, heads, length, _ = query.shape
-        kv_heads, context = keys.shape[1], self.keys.shape[-2]
-        out = values.new_empty(batch, kv_heads, heads // kv_heads, length, values.shape[-1]) if output else None
-        for start, stop, probs in attention_chunks(query, keys, scaling, context, self.key_mask):
-            counted = probs if self.query_mask is None else probs * self.query_mask[:, None, None, start:stop, None]
-            torch.maximum(self.scores, counted[..., :context].amax(dim=(2, 3)), out=self.scores)
-            if output:
-                rows = probs.to(values.dtype).flatten(2, 3)  # [batch, kv_heads, groups * n, keys seen]
-                out[:, :, :, start:stop] = torch.matmul(rows, values[:, :, : probs.shape[-1]]).unflatten(2, probs.shape[2:4])
-        return out.view(batch, heads, length, -1).transpose(1, 2).contiguous() if output else None
+        context = self.keys.shape[-2]
+        out = new_attention_output(query, values) if output else None
+        scores = max_attention(
+            query, keys, scaling, context, None, self.key_mask, self.query_mask, values if output else None, out
+        )
+        torch.maximum(self.scores, scores[..., :context], out=self.scores)
+        return as_attention_result(out) if output else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never needed: the layer starts with the context."""

@@ -47,9 +47,12 @@ class H2ORetention(ScoredRetention):
             )
         return heavy + recent, recent
 
+    def computes_attention(self) -> bool:
+        return True
+
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         return scores + accumulated_attention(
-            seen.query, seen.keys, seen.scaling, seen.first_new, key_mask=seen.key_mask, query_mask=seen.query_mask
+            seen.query, seen.keys, seen.scaling, seen.first_new, None, seen.key_mask, seen.query_mask, seen.values, seen.output
         )
 
 

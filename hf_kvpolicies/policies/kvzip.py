@@ -49,13 +49,16 @@ class KVzipRetention(ScoredRetention):
         self.awaiting_reconstruction = True
         """True until the cache has written the first forward's reconstruction scores."""
 
+    def computes_attention(self) -> bool:
+        return not self.awaiting_reconstruction
+
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.awaiting_reconstruction:
             return scores  # the first forward's scores come from the reconstruction that follows it
-        return torch.maximum(
-            scores,
-            max_attention(seen.query, seen.keys, seen.scaling, seen.first_new, key_mask=seen.key_mask, query_mask=seen.query_mask),
+        received = max_attention(
+            seen.query, seen.keys, seen.scaling, seen.first_new, None, seen.key_mask, seen.query_mask, seen.values, seen.output
         )
+        return torch.maximum(scores, received)
 
     def take_reconstruction(self, scores: torch.Tensor) -> None:
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""

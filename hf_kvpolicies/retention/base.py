@@ -153,6 +153,12 @@ class Retention(ABC):
         """How many of a forward's last queries the policy reads (``0``: all; ``None``: none)."""
         return None
 
+    def computes_attention(self) -> bool:
+        """Whether this forward's statistic computes the softmax probabilities of every query over
+        every key attention sees, and so can compute attention's output from them too (a scored
+        retention's ``output_wanted`` then asks it to). None does by default."""
+        return False
+
     def update(
         self,
         storage: Storage,

@@ -146,7 +146,7 @@ class PerHead(HeadLayout):
         r.record(slots, new_positions, keys.shape[-2])
         all_keys, all_values = storage.read(r.live)
         positions = r.positions[..., : r.live]
-        seen = r.attended(all_keys, keys, values, slots, query, scaling, positions)
+        seen = r.attended(all_keys, keys, values, slots, query, scaling, positions, all_values)
         extra = {name: t[..., : r.live] for name, t in r.extra.items()}
         r.scores[..., : r.live] = r.score(seen, r.scores[..., : r.live], extra)
         if r.live > r.budget:

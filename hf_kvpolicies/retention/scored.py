@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention_scores import new_attention_output
 from ..hooks import ALL_QUERIES
 from ..storage import Storage
 from ..storage.base import SlotIndex
@@ -119,6 +120,13 @@ class ScoredRetention(Retention):
         self.padded = False
         self.live_t: torch.Tensor | None = None
         """Static steps: ``live`` on the device (0-d long)."""
+        self.output_wanted = False
+        """Set by the cache for one forward: the model's attention will return the output this
+        forward's statistic computes (:meth:`computes_attention`; it then passes ``seen.values`` and
+        ``seen.output`` to its statistic) instead of computing its own."""
+        self.attention_output: torch.Tensor | None = None
+        """That output (a :func:`~hf_kvpolicies.attention_scores.new_attention_output` buffer), until
+        the model's attention takes it."""
 
     # --- what a statistic decides ------------------------------------------------------
     @abstractmethod
@@ -245,7 +253,8 @@ class ScoredRetention(Retention):
         self.positions = self.scores = self.free = self.live_t = self.row_start = None
         self.extra = {}
         self.pending = None
-        self.has_free = self.padded = False
+        self.has_free = self.padded = self.output_wanted = False
+        self.attention_output = None
         self.waiting = self.waits_for_cache
 
     def limit_to(self, positions: int) -> bool:
@@ -365,12 +374,17 @@ class ScoredRetention(Retention):
         self.has_free = self.live > self.budget
 
     # --- what the head layouts share ----------------------------------------------------------
-    def attended(self, keys, new_keys, new_values, slots, query, scaling, positions) -> Attended:
-        """What a forward attends to, with key and query masks where some slots hold no token of a
-        row or head (padded batches, pooled heads, rows with their own budgets)."""
+    def attended(self, keys, new_keys, new_values, slots, query, scaling, positions, values) -> Attended:
+        """What a forward attends to (``values``: the values it sees beside ``keys``), with key and
+        query masks where some slots hold no token of a row or head (padded batches, pooled heads,
+        rows with their own budgets), and the buffer for attention's output where the cache wants it."""
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
         given = dict(positions=positions, new_values=new_values)
+        self.attention_output = None
+        if self.output_wanted and query is not None and query.shape[-2] == q:
+            self.attention_output = new_attention_output(query, values)
+            given.update(values=values, output=self.attention_output)
         if not self.padded and not self.layout.pooled and self.row_budgets is None:
             return Attended(keys, new_keys, first_new, slots, query, scaling, **given)
         query_mask = (positions[:, 0, first_new:] >= 0) if isinstance(slots, int) else None
@@ -542,7 +556,7 @@ class ScoredRetention(Retention):
                 arrived = (keys, values)
             scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
             extra = self.extra_state(batch, heads, q, keys.device)
-        seen = self.attended(all_keys, keys, values, all_keys.shape[-2] - q, query, scaling, positions)
+        seen = self.attended(all_keys, keys, values, all_keys.shape[-2] - q, query, scaling, positions, all_values)
         scores = self.score(seen, scores, extra)
         self.seen += q
         self.pending = Pending(all_keys, all_values, positions, scores, extra, arrived)

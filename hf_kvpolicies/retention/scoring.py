@@ -24,6 +24,10 @@ class Attended:
     ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real);
     ``positions`` ``[batch, kv_heads, k]`` is the position each key holds (``-1``: none);
     ``new_values`` are the incoming values as the model computed them, beside ``new_keys``.
+    ``values`` and ``output``: where the cache asks a statistic that computes every query's
+    probabilities over ``keys`` (:meth:`ScoredRetention.computes_attention`) for attention's
+    output too, the values attention sees and the buffer the statistic writes that output into
+    (:func:`~hf_kvpolicies.attention_scores.new_attention_output`); ``None`` otherwise.
     """
 
     keys: torch.Tensor
@@ -36,6 +40,8 @@ class Attended:
     query_mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     new_values: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    output: torch.Tensor | None = None
 
     @property
     def q(self) -> int:
