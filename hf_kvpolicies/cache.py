@@ -13,7 +13,7 @@ from transformers.utils import logging
 
 from . import hooks
 from .attention_scores import as_attention_result
-from .masks import allowed_keys, check_mask_format, masks_by_layer_type, prompt_padding, to_attention_format
+from .masks import allowed_keys, causal_with_padding, check_mask_format, masks_by_layer_type, prompt_padding, to_attention_format
 from .model_layout import LayerLayout, layer_layouts, max_positions
 from .retention import Retention, RingRetention
 from .storage import Storage, StorageFactory, storage_factory
@@ -48,9 +48,11 @@ class ForwardState:
         """``[batch, seen + q]`` bool where the batch is padded."""
         self.queries: dict[int, tuple[torch.Tensor, float]] = {}
         self.layer_masks: list[torch.Tensor] | None = None
+        self.causal = True
+        """Whether the forward's mask is causal with padding (:func:`~hf_kvpolicies.masks.causal_with_padding`)."""
 
     def begin(self) -> None:
-        self.padding, self.layer_masks = None, None
+        self.padding, self.layer_masks, self.causal = None, None, True
         self.queries.clear()
 
     end = begin
@@ -360,6 +362,8 @@ class PolicyCache(Cache):
         self._announced = True
         forward = self.forward
         forward.begin()
+        if inputs.shape[1] > 1 and any(layer.retention.computes_attention() for layer in self.layers):
+            forward.causal = causal_with_padding(attention_mask, self.get_seq_length())
         if all(layer.retention.in_position_order for layer in self.layers):
             return hooks.UNCHANGED
         padding, query_length = attention_mask, inputs.shape[1]
@@ -432,8 +436,9 @@ class PolicyCache(Cache):
         retention = self.layers[layer_idx].retention
         if not retention.computes_attention():
             return False
-        retention.output_wanted, retention.attention_output = queries > 1, None
-        return queries > 1
+        wanted = queries > 1 and self.forward.causal
+        retention.output_wanted, retention.attention_output = wanted, None
+        return wanted
 
     def attention_output(self, layer_idx: int) -> torch.Tensor | None:
         """The output layer ``layer_idx``'s statistic computed in this forward (``[batch, q, heads,

@@ -36,6 +36,23 @@ def prompt_padding(mask: Any) -> Any:
     return allowed[:, 0].any(dim=-2)
 
 
+def causal_with_padding(mask: Any, past: int) -> bool:
+    """Whether a multi-token forward's mask (as the forward got it: none, 2-D padding, 4-D, or
+    ``{layer_type: 4-D}``) shows each real query exactly the real keys up to its own position, all
+    a statistic's probabilities assume (a 4-D mask of one's own, packed sequences, may show others)."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return True
+    allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0]  # [batch, q, kv]
+    q, kv = allowed.shape[-2:]
+    real = allowed.any(dim=-2)  # a real key is one that some query sees
+    causal = torch.arange(kv, device=mask.device) <= torch.arange(past, past + q, device=mask.device)[:, None]
+    expected = causal & real[:, None, :]
+    queries = real[:, past : past + q] if real.shape[-1] >= past + q else torch.ones_like(allowed[..., 0])
+    return bool(((allowed == expected).all(dim=-1) | ~queries).all())
+
+
 def check_mask_format(implementation: str, cache_name: str) -> None:
     if implementation not in MASK_FORMATS:
         raise NotImplementedError(

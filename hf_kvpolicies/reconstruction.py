@@ -28,7 +28,7 @@ its maximum over every chunk's queries. Within one chunk (2,048 tokens by defaul
 
 Cost: the reconstruction processes about as many tokens as the prefill again, each attending to
 the whole context: its attention reads twice the keys of the prefill's causal one, in fp32
-probabilities rather than a fused kernel, so KVzip's prefill costs 2.86x a full cache's at
+probabilities rather than a fused kernel, so KVzip's prefill costs 2.85x a full cache's at
 2,048 tokens on the embedded model (1 thread, ``python -m eval.benchmarks.eviction``, 2026-12-06:
 docs/results.md); kvpress warns of doubling to tripling.
 """

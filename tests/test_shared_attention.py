@@ -122,3 +122,24 @@ def test_a_forward_that_fails_mid_layer_leaves_the_model_as_configured():
     calls, got = kernel_calls(model, ids, None)  # the next forward, with the model's own cache
     assert model.config._attn_implementation == "sdpa" and calls.sdpa == 2
     torch.testing.assert_close(got, kernel_calls(model, ids, FullCache(model))[1], rtol=0, atol=0)
+
+
+def test_a_causal_4d_mask_shares_and_a_mask_of_ones_own_keeps_the_models_attention():
+    model = tiny_llama()
+    ids = random_ids(1, 40)
+    q = torch.arange(40)
+    causal = (q[None, :] <= q[:, None]).view(1, 1, 40, 40)
+    assert kernel_calls(model, ids, H2OCache(model, heavy=8, recent=8), attention_mask=causal)[0].sdpa == 0
+    packed = causal & ((q[None, :] >= 20) == (q[:, None] >= 20))  # two sequences packed in one row
+    full_calls, expected = kernel_calls(model, ids, FullCache(model), attention_mask=packed)
+    calls, got = kernel_calls(model, ids, H2OCache(model, heavy=40, recent=40), attention_mask=packed)
+    assert calls.sdpa == full_calls.sdpa == 2
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_generate_shares_in_its_prefill():
+    model = tiny_llama()
+    ids, mask = left_padded([random_ids(1, n, seed=n) for n in (30, 24)])
+    with KernelCalls() as calls:
+        model.generate(ids, attention_mask=mask, cache=H2OCache(model, heavy=6, recent=6), max_new_tokens=1, do_sample=False)
+    assert calls.sdpa == 0  # one new token: the prefill's logits give it

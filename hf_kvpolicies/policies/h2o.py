@@ -67,7 +67,9 @@ class H2OCache(ScoredCache):
 
     Once over budget, every decode step evicts one token per row and KV head and writes the new
     token into the freed slot in place; a prompt longer than the budget is prefilled normally,
-    scored by its causal attention (in query chunks) and trimmed. Queries are seen through a
+    scored by its causal attention (in query chunks) and trimmed. A forward of several tokens is
+    attended once: the statistic's probabilities give the model's attention output as well
+    (:func:`~hf_kvpolicies.hooks.shared_attention`). Queries are seen through a
     pre-hook on the attention modules (see :mod:`hf_kvpolicies.attention_scores`), installed once
     per model and inert for every other cache; it works with ``sdpa`` and ``eager``.
 
