@@ -204,7 +204,6 @@ class _AttentionTap:
             query, _ = self.rope(query, query[:, :0], *rotation)  # the rotation takes a key too: an empty one
         self.dispatcher.current.receive_query(module.layer_idx, query, module.scaling)
 
-
     def restore(self) -> str | None:
         """Put the module's own attention implementation back (if swapped); returns it."""
         own, self.own_implementation = self.own_implementation, None
