@@ -429,16 +429,15 @@ class PolicyCache(Cache):
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         self.forward.queries[layer_idx] = (query, scaling)
 
-    def computes_attention(self, layer_idx: int, queries: int) -> bool:
+    def computes_attention(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx``'s statistic computes this forward's attention output from the
-        probabilities it scores with (a forward of several queries; decode steps keep the model's
-        attention, which compiles as the static step expects); if so, the layer is asked to."""
+        probabilities it scores with (asked on forwards of several tokens: decode steps keep the
+        model's attention, which compiles as the static step expects); if so, the layer is asked to."""
         retention = self.layers[layer_idx].retention
-        if not retention.computes_attention():
+        if not (self.forward.causal and retention.computes_attention()):
             return False
-        wanted = queries > 1 and self.forward.causal
-        retention.output_wanted, retention.attention_output = wanted, None
-        return wanted
+        retention.output_wanted = True
+        return True
 
     def attention_output(self, layer_idx: int) -> torch.Tensor | None:
         """The output layer ``layer_idx``'s statistic computed in this forward (``[batch, q, heads,
@@ -447,7 +446,7 @@ class PolicyCache(Cache):
         output = getattr(retention, "attention_output", None)
         if output is None:
             return None
-        retention.output_wanted, retention.attention_output = False, None
+        retention.attention_output = None
         return as_attention_result(output)
 
     def after_forward(self) -> None:

@@ -18,8 +18,8 @@ cache's own methods (:class:`ForwardParticipant`):
 * a decoder forward hook: ``after_forward()``.
 
 Where a layer's statistic computes the softmax probabilities of every query of a forward over
-every key attention sees (H2O, KVzip after its reconstruction), ``computes_attention(layer_idx,
-queries)`` lets it compute attention's output from them as well: the module's attention then runs
+every key attention sees (H2O, KVzip after its reconstruction), ``computes_attention(layer_idx)``
+(asked on forwards of several tokens only) lets it compute attention's output from them as well: the module's attention then runs
 :func:`shared_attention`, which returns ``attention_output(layer_idx)`` instead of computing the
 softmax a second time (the module's configured implementation is swapped in the module's pre-hook,
 after the forward's masks are built, and back as the function is called).
@@ -61,7 +61,7 @@ class ForwardParticipant(Protocol):
     def query_rows(self, layer_idx: int) -> int | None: ...
     def queries_before_rope(self, layer_idx: int) -> bool: ...
     def receive_query(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None: ...
-    def computes_attention(self, layer_idx: int, queries: int) -> bool: ...
+    def computes_attention(self, layer_idx: int) -> bool: ...
     def attention_output(self, layer_idx: int) -> torch.Tensor | None: ...
     def after_forward(self) -> None: ...
 
@@ -179,7 +179,8 @@ class _AttentionTap:
                 check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
                 self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
                 hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                if rows == ALL_QUERIES and not module.training and cache.computes_attention(layer, hidden.shape[1]):
+                several = hidden.shape[1] > 1  # a decode step keeps the model's attention: nothing to ask
+                if several and rows == ALL_QUERIES and not module.training and cache.computes_attention(layer):
                     self.own_implementation = module.config._attn_implementation
                     module.config._attn_implementation = SHARED_ATTENTION
         mask = cache.layer_mask(layer)

@@ -24,30 +24,39 @@ MASK_FORMATS = ("sdpa", "eager")
 """Attention implementations that take a 4-D per-head mask as given."""
 
 
+def full_attention_mask(mask: Any) -> Any:
+    """A forward's mask for its full-attention layers (``{layer_type: mask}`` for models with
+    ``layer_types``, else the mask itself)."""
+    return mask.get("full_attention", next(iter(mask.values()), None)) if isinstance(mask, dict) else mask
+
+
+def visible_keys(mask: Any) -> torch.Tensor | None:
+    """bool ``[batch, q, kv]``: the keys each query sees under a 4-D mask (bool, or additive with 0
+    where seen; the full-attention one of a ``{layer_type: 4-D}``); ``None`` for any other mask."""
+    mask = full_attention_mask(mask)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    return (mask if mask.dtype == torch.bool else mask == 0)[:, 0]
+
+
 def prompt_padding(mask: Any) -> Any:
     """The 2-D padding behind a prefill's mask. ``generate()`` hands a compile-able cache the masks
     it prepared (4-D, or ``{layer_type: 4-D}`` for models with ``layer_types``): in a prefill, a pad
     is a key that no query sees. Anything else is returned as it is."""
-    if isinstance(mask, dict):
-        mask = mask.get("full_attention", next(iter(mask.values()), None))
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return mask
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    return allowed[:, 0].any(dim=-2)
+    visible = visible_keys(mask)
+    return full_attention_mask(mask) if visible is None else visible.any(dim=-2)
 
 
 def causal_with_padding(mask: Any, past: int) -> bool:
     """Whether a multi-token forward's mask (as the forward got it: none, 2-D padding, 4-D, or
     ``{layer_type: 4-D}``) shows each real query exactly the real keys up to its own position, all
     a statistic's probabilities assume (a 4-D mask of one's own, packed sequences, may show others)."""
-    if isinstance(mask, dict):
-        mask = mask.get("full_attention")
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+    allowed = visible_keys(mask)
+    if allowed is None:
         return True
-    allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0]  # [batch, q, kv]
     q, kv = allowed.shape[-2:]
     real = allowed.any(dim=-2)  # a real key is one that some query sees
-    causal = torch.arange(kv, device=mask.device) <= torch.arange(past, past + q, device=mask.device)[:, None]
+    causal = torch.arange(kv, device=allowed.device) <= torch.arange(past, past + q, device=allowed.device)[:, None]
     expected = causal & real[:, None, :]
     queries = real[:, past : past + q] if real.shape[-1] >= past + q else torch.ones_like(allowed[..., 0])
     return bool(((allowed == expected).all(dim=-1) | ~queries).all())

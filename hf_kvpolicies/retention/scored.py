@@ -121,9 +121,9 @@ class ScoredRetention(Retention):
         self.live_t: torch.Tensor | None = None
         """Static steps: ``live`` on the device (0-d long)."""
         self.output_wanted = False
-        """Set by the cache for one forward: the model's attention will return the output this
-        forward's statistic computes (:meth:`computes_attention`; it then passes ``seen.values`` and
-        ``seen.output`` to its statistic) instead of computing its own."""
+        """Set by the cache before one forward's update, which reads and clears it: the model's
+        attention will return the output this forward's statistic computes (:meth:`computes_attention`;
+        it then passes ``seen.values`` and ``seen.output`` to its statistic) instead of its own."""
         self.attention_output: torch.Tensor | None = None
         """That output (a :func:`~hf_kvpolicies.attention_scores.new_attention_output` buffer), until
         the model's attention takes it."""
@@ -381,8 +381,9 @@ class ScoredRetention(Retention):
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
         given = dict(positions=positions, new_values=new_values)
+        wanted, self.output_wanted = self.output_wanted, False  # asked for this forward only
         self.attention_output = None
-        if self.output_wanted and query is not None and query.shape[-2] == q:
+        if wanted and query is not None and query.shape[-2] == q:
             self.attention_output = new_attention_output(query, values)
             given.update(values=values, output=self.attention_output)
         if not self.padded and not self.layout.pooled and self.row_budgets is None:
