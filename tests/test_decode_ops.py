@@ -106,3 +106,42 @@ def added_ops(spec: str, context: int = 96) -> int:
 def test_ring_and_full_steps_stay_within_their_operation_budget(spec, one_thread):
     name = spec.partition(":")[0]
     assert added_ops(spec) <= OWN_STEP_BUDGET[name], spec
+
+
+FP8_EXTRA = 25
+"""What fp8 storage may add to the growing full cache's decode step beyond native storage's, every
+operation counted: an appended token waits natively in the residual and is quantised with the
+others as they leave it (one batch per ``residual + 1`` steps), so a step writes the token's native
+copy, decodes the payload (keys and values in one pass) and lays the residual over it."""
+
+
+@torch.no_grad()
+def layer_ops_per_step(spec: str, context: int, steps: int) -> list[int]:
+    """Operations (views included) of layer 1 in each of ``steps`` decode steps after a ``context``-token prefill."""
+    model = tiny_llama(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    cache = DynamicCache(config=model.config) if spec == "dynamic" else from_spec(model, spec)
+    ids = random_ids(1, context + steps)
+    model(ids[:, :context], cache=cache)
+    counts = []
+    for step in range(context, context + steps):
+        counter = OperationCounter(model.model.layers[1])
+        with counter:
+            model(ids[:, step : step + 1], cache=cache)
+        counter.close()
+        counts.append(counter.count)
+    return counts
+
+
+def test_fp8_storage_adds_at_most_its_budget_to_the_full_cache_step(one_thread):
+    """Every step but those that quantise a departing batch (one in each cycle of ``residual + 1``
+    steps) holds the budget, and so does the mean over two whole cycles. Steps where the full cache
+    grows its buffers (native and fp8 alike) are left out."""
+    cycle, steps = 33, 66
+    native = layer_ops_per_step("full", 96, steps)
+    fp8 = layer_ops_per_step("full:storage=fp8", 96, steps)
+    steady = max(set(native), key=native.count)
+    extra = [f - n for f, n in zip(fp8, native) if n == steady]
+    assert len(extra) >= steps - 4, native
+    batches = [e for e in extra if e > FP8_EXTRA]
+    assert len(batches) <= steps // cycle, extra
+    assert sum(extra) / len(extra) <= FP8_EXTRA, extra

@@ -61,7 +61,7 @@ def contenders() -> list[Contender]:
 
 # --- float8 decoding ---------------------------------------------------------------------------
 def decoders(fmt) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """Ways to turn a uint8 payload and E8M0 scale codes into float32."""
+    """Ways to turn a payload of fp8 bytes (int8) and E8M0 scale codes into float32."""
     table = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
 
     def scale(codes: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def decoders(fmt) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tens
         return payload.view(fmt.dtype).float().mul_(scale(codes))
 
     def lookup(payload, codes):
-        values = table.index_select(0, payload.reshape(-1).to(torch.int32)).view(payload.shape)
+        values = table.index_select(0, payload.reshape(-1).view(torch.uint8).to(torch.int32)).view(payload.shape)
         return values.mul_(scale(codes))
 
     return {

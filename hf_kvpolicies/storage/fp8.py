@@ -22,13 +22,18 @@ vector's largest magnitude inside the format, so it lands in the top binade and 
 
 **The residual.** Slots written by the last ``residual`` writes (write recency, not slot order)
 are also held natively, and reads return them exactly: a ring of native copies, each with the
-slot it shadows. Every write also quantises into the payload, so a token that leaves the ring
-needs no work. A write to slots that the ring already shadows (a re-rotated sink, a ring
-retention smaller than the residual) refreshes those copies in place rather than pushing
-fresher tokens out.
+slot it shadows. While every write names ``int`` slots (a full cache's appends), a token the
+ring takes is quantised only when it leaves (:class:`~.residual.PendingTokens`: the ring's tokens
+in one batch, once per ``residual + 1`` appends, the same bytes); any other write (a ring
+retention's device slot, a scored policy's free slots) also quantises into the payload at once,
+so a token that leaves the ring needs no work. A write to slots that the ring already shadows (a
+re-rotated sink, a ring retention smaller than the residual) refreshes those copies in place
+rather than pushing fresher tokens out.
 
 **Reads** decode slots ``[0, n)`` of one layer into a fresh tensor (the only transient
 full-precision copy, freed after that layer's attention), then scatter the residual over it.
+Keys and values as wide as each other are decoded in one pass into one buffer, each half
+contiguous, and the residual's entries land in one scatter.
 PyTorch's float8 conversion runs scalar code on the CPU, ~5x slower than this decoder (measured
 in ``eval/benchmarks/fp8.py``), and a 256-entry table lookup ~3x: a byte sign-extended to 16 bits
 and shifted so its mantissa meets float16's *is* the float16 of the fp8 value times
@@ -45,7 +50,7 @@ import torch
 
 from ..validation import check_int
 from .base import SlotIndex, Storage, allocated, expand_slots
-from .residual import NativeResidual
+from .residual import NativeResidual, PendingTokens
 
 DEFAULT_RESIDUAL = 32
 """Native tokens per layer by default, from ``python -m eval.benchmarks.fp8 --residual-sweep``
@@ -82,28 +87,35 @@ class Float8Format:
         self._factor_offset = FLOAT16_BIAS - self.bias
 
     def quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` (``[..., head_dim]``) as a uint8 payload and uint8 E8M0 scale codes (``[..., 1]``)."""
+        """``x`` (``[..., head_dim]``) as an int8 payload (the fp8 bytes) and uint8 E8M0 scale codes (``[..., 1]``)."""
         amax = x.abs().amax(dim=-1, keepdim=True).float()
         mantissa, exponent = torch.frexp(amax)
         # the smallest e with amax <= max * 2**e, exactly: compare mantissas, not logarithms
         e = (exponent - self._top_exponent + (mantissa > self._top_mantissa)).clamp_(MIN_EXPONENT, MAX_EXPONENT)
         inverse = ((FLOAT32_BIAS - e) << 23).view(torch.float32)  # 2**-e, built exactly
         scaled = (x.float() * inverse).clamp_(-self.max, self.max)
-        return scaled.to(self.dtype).view(torch.uint8), (e + FLOAT32_BIAS).to(torch.uint8)
+        return scaled.to(self.dtype).view(torch.int8), (e + FLOAT32_BIAS).to(torch.uint8)
 
     def dequantise(self, payload: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``payload * 2**(code - 127)`` in ``dtype``, exactly, without float8 conversion.
+        """``payload * 2**(code - 127)`` in ``dtype``, exactly, without float8 conversion (``codes``
+        broadcast against ``payload``)."""
+        out = torch.empty(payload.shape, dtype=_compute_dtype(dtype), device=payload.device)
+        self.dequantise_into(out, payload, codes)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def dequantise_into(self, out: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
+        """:meth:`dequantise` written into ``out`` (float32 or bfloat16, any strides).
 
         The byte, sign-extended to int16 and shifted so that its mantissa meets float16's, is a
         float16 worth the fp8 value times ``2**(bias - 15)``; that power of two joins the scale.
         """
-        bits = payload.view(torch.int8).to(torch.int16).mul_(1 << self._shift)
+        signed = payload if payload.dtype == torch.int8 else payload.view(torch.int8)
+        bits = signed.to(torch.int16).mul_(1 << self._shift)
         if self._mask is not None:
             bits.bitwise_and_(self._mask)
         factor = ((codes.to(torch.int32) + self._factor_offset) << 23).view(torch.float32)
-        compute = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        out = bits.view(torch.float16).to(compute).mul_(factor.to(compute))
-        return out if compute == dtype else out.to(dtype)
+        out.copy_(bits.view(torch.float16))
+        out.mul_(factor.to(out.dtype))  # a power of two: exact in either dtype
 
     def __repr__(self) -> str:
         return f"Float8Format({self.name})"
@@ -126,6 +138,12 @@ def float8_format(dtype: str | torch.dtype) -> Float8Format:
     return Float8Format(resolved)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where decoding multiplies: the model's dtype, or float32 for float16 (whose range the
+    scale's power of two may leave)."""
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def _as_int16(value: int) -> int:
     return value - (1 << 16) if value >= 1 << 15 else value
 
@@ -145,10 +163,13 @@ class FP8Storage(Storage):
         self.residual = check_int("residual", residual, minimum=0)
         self.format = float8_format(dtype)
         self.payload: torch.Tensor | None = None
-        """``uint8 [batch, heads, capacity, key_dim + value_dim]``: the fp8 bytes of every slot."""
+        """``int8 [batch, heads, capacity, key_dim + value_dim]``: the fp8 bytes of every slot (signed,
+        so that decoding sign-extends them without a view)."""
         self.scales: torch.Tensor | None = None
         """``uint8 [batch, heads, capacity, 2]``: E8M0 codes (key, value), scale ``2**(code - 127)``."""
         self.ring = NativeResidual(self.residual)
+        self._pending = PendingTokens()
+        """Slots the residual holds whose fp8 bytes wait until they leave it (appends of ``int`` slots)."""
         self.key_dim = 0  # keys fill the payload's first key_dim bytes, values the rest
 
     @classmethod
@@ -194,9 +215,10 @@ class FP8Storage(Storage):
         value_dim = value_dim or key_dim
         width = key_dim + value_dim
         self.dtype, self.device, self.capacity, self.key_dim = like.dtype, like.device, capacity, key_dim
-        self.payload = allocated((batch, heads, capacity, width), torch.uint8, like.device, f"the fp8 payload of {capacity} slots")
+        self.payload = allocated((batch, heads, capacity, width), torch.int8, like.device, f"the fp8 payload of {capacity} slots")
         self.scales = allocated((batch, heads, capacity, 2), torch.uint8, like.device, f"the fp8 scales of {capacity} slots")
         self.ring.allocate(batch, heads, key_dim, value_dim, like.dtype, like.device)
+        self._pending.allocate(self.residual)
 
     @property
     def rows(self) -> int:
@@ -220,16 +242,36 @@ class FP8Storage(Storage):
         self._write(slots, keys, values, new_tokens=False)
 
     def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, new_tokens: bool) -> None:
+        """The tokens into the payload and the residual; where every write names ``int`` slots, the
+        newest the residual takes are quantised only when they leave it (:class:`PendingTokens`)."""
         fresh = torch.cat([keys, values], dim=-1)
+        q, pending, ring = keys.shape[-2], self._pending, self.ring
+        lazy = pending.lazy(slots, ring)
+        if lazy:
+            now = pending.admit(slots, q, new_tokens, ring)
+            if now:
+                payload, codes = self._quantise(fresh[:, :, :now])
+                self.payload[:, :, slots : slots + now] = payload
+                self.scales[:, :, slots : slots + now] = codes
+        else:
+            pending.settle(ring, self._encode)
+            if not isinstance(slots, int):
+                slots = slots.to(self.device)
+            self._encode(slots, fresh)
+        wanted = lazy and pending.due(ring.departing(min(q, self.residual) if new_tokens else 0))
+        departed = ring.note(slots, fresh, self.capacity, push=new_tokens, departures=wanted)
+        if departed is not None:
+            pending.flush(ring, self._encode, departed)
+
+    def _encode(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
+        """Tokens (keys and values side by side) quantised into ``slots``."""
         payload, codes = self._quantise(fresh)
-        q = keys.shape[-2]
         if isinstance(slots, int):
+            q = fresh.shape[-2]
             self.payload[:, :, slots : slots + q] = payload
             self.scales[:, :, slots : slots + q] = codes
         else:
-            slots = slots.to(self.device)
             self._store(slots, payload, codes)
-        self.ring.note(slots, fresh, self.capacity, push=new_tokens)
 
     def _store(self, slots: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
         """Quantised tokens into device ``slots`` (``[q]`` shared, or ``[batch, heads, q]`` per row and head)."""
@@ -244,8 +286,8 @@ class FP8Storage(Storage):
         if length == 0:
             batch, heads, _, width = self.payload.shape
             return self.ring.split(torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device))
-        keys, values = self._dequantise(self.payload[:, :, :length], self.scales[:, :, :length])
-        return self.ring.overlay(keys, values, length)
+        keys, values, paired = self._dequantise(self.payload[:, :, :length], self.scales[:, :, :length])
+        return self.ring.overlay(keys, values, length, paired)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
@@ -254,7 +296,7 @@ class FP8Storage(Storage):
         else:
             payload = self.payload.gather(2, expand_slots(slots, self.payload))
             codes = self.scales.gather(2, expand_slots(slots, self.scales))
-        keys, values = self._dequantise(payload, codes)
+        keys, values, _ = self._dequantise(payload, codes)
         return self.ring.override(keys, values, slots)
 
     def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,6 +331,7 @@ class FP8Storage(Storage):
 
     # --- the static decode step ----------------------------------------------------------
     def enter_static(self) -> None:
+        self._pending.settle(self.ring, self._encode)
         self.ring.enter_static(self.device)
         super().enter_static()
 
@@ -324,11 +367,24 @@ class FP8Storage(Storage):
         value_payload, value_codes = self.format.quantise(fresh[..., self.key_dim :])
         return torch.cat([key_payload, value_payload], dim=-1), torch.cat([key_codes, value_codes], dim=-1)
 
-    def _dequantise(self, payload: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values decoded apart, each contiguous (attention reads them at full speed)."""
-        keys = self.format.dequantise(payload[..., : self.key_dim], codes[..., :1], self.dtype)
-        values = self.format.dequantise(payload[..., self.key_dim :], codes[..., 1:], self.dtype)
-        return keys, values
+    def _dequantise(self, payload: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys and values decoded, each contiguous (attention reads them at full speed), and, where
+        they are equally wide, decoded in one pass into one ``[2, batch, heads, n, dim]`` buffer
+        whose ``[batch, heads, n, 2, dim]`` view pairs them (the residual's entries then land in one
+        scatter); ``None`` for the pairing otherwise."""
+        key_dim = self.key_dim
+        if 2 * key_dim != payload.shape[-1]:
+            keys = self.format.dequantise(payload[..., :key_dim], codes[..., :1], self.dtype)
+            values = self.format.dequantise(payload[..., key_dim:], codes[..., 1:], self.dtype)
+            return keys, values, None
+        batch, heads, n, _ = payload.shape
+        out = torch.empty(2, batch, heads, n, key_dim, dtype=_compute_dtype(self.dtype), device=payload.device)
+        paired = out.permute(1, 2, 3, 0, 4)
+        self.format.dequantise_into(paired, payload.unflatten(-1, (2, key_dim)), codes.unsqueeze(-1))
+        if out.dtype != self.dtype:  # float16: decoded in float32, the pairing is not the result
+            out = out.to(self.dtype)
+            return out[0], out[1], None
+        return out[0], out[1], paired
 
 
 @dataclass(frozen=True)

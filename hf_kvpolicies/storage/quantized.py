@@ -39,7 +39,7 @@ from ..validation import check_choice, check_int
 from .affine import BITS, round_trip, scale_dtype
 from .base import SlotIndex, Storage
 from .quantized_codes import ChannelCodes, TokenCodes
-from .residual import Departed, NativeResidual
+from .residual import Departed, NativeResidual, PendingTokens
 
 DEFAULT_GROUP = 32
 DEFAULT_RESIDUAL = 32
@@ -90,12 +90,8 @@ class QuantizedStorage(Storage):
         self._stale_groups: set[int] | None = set()
         """Channel groups written since they were last quantised, while every write named ``int``
         slots (``None`` otherwise): a token leaving the residual from any other group needs no work."""
-        self._pending: set[int] | None = set()
-        """Slots the residual holds whose per-token codes (values, token-axis keys) are not written
-        yet, while every write names ``int`` slots (``None`` otherwise: each write quantises its
-        tokens). A read returns such a slot natively, so its codes can wait until it leaves the
-        residual; then every pending slot is quantised in one batch (one per ``residual`` appends,
-        where each token on its own would cost a few dozen small operations per layer and step)."""
+        self._pending = PendingTokens()
+        """Slots the residual holds whose per-token codes (values, token-axis keys) wait until they leave it."""
 
     @classmethod
     def factory(
@@ -136,7 +132,7 @@ class QuantizedStorage(Storage):
         self.values.allocate(batch, heads, capacity, value_dim, half, like.device, "value")
         self.ring.allocate(batch, heads, key_dim, value_dim, like.dtype, like.device)
         self._stale_groups = set()
-        self._pending = set() if self.residual else None
+        self._pending.allocate(self.residual)
 
     @property
     def rows(self) -> int:
@@ -162,21 +158,19 @@ class QuantizedStorage(Storage):
         if not isinstance(slots, int):
             slots = slots.to(self.device)
         q = keys.shape[-2]
-        lazy = isinstance(slots, int) and self._pending is not None and self.ring.host_slots is not None
+        pending = self._pending
+        lazy = pending.lazy(slots, self.ring)
         if lazy:  # the newest tokens the residual takes are quantised when they leave it
-            held = set(self.ring.host_slots)
-            taken = min(q, self.residual) if push and not held.issuperset(range(slots, slots + q)) else 0
-            self._quantise_tokens(slots, keys[:, :, : q - taken], values[:, :, : q - taken])
-            self._pending.difference_update(range(slots, slots + q - taken))
-            self._pending.update(range(slots + q - taken, slots + q))
+            now = pending.admit(slots, q, push, self.ring)
+            self._quantise_tokens(slots, keys[:, :, :now], values[:, :, :now])
         else:
-            self._settle()
+            pending.settle(self.ring, self._encode_pending)
             self._quantise_tokens(slots, keys, values)
         leaving = self.ring.departing(min(q, self.residual) if push else 0) if isinstance(slots, int) else None
         wanted = self._uses_departures(leaving, slots, q)
         departed = self.ring.note(slots, torch.cat([keys, values], dim=-1), self.capacity, push, departures=wanted)
-        if lazy and departed is not None and self._pending.intersection(departed.host_slots):
-            self._flush(departed)
+        if lazy and departed is not None and pending.due(departed.host_slots):
+            pending.flush(self.ring, self._encode_pending, departed)
         if self.per_channel:
             self.keys.note_written(slots, keys)
             self._code_keys(slots, keys, push, departed)
@@ -185,10 +179,10 @@ class QuantizedStorage(Storage):
         """Whether this write needs the native copies its push overwrites: to quantise a pending slot
         or a stale key group, as far as the host knows (``leaving``: the slots they shadow)."""
         if leaving is None or self._stale_groups is None and self.per_channel:
-            return self.per_channel or self._pending is not None
+            return self.per_channel or self._pending.slots is not None
         if not leaving:
             return False
-        if self._pending is not None and self._pending.intersection(leaving):
+        if self._pending.due(leaving):
             return True
         if not self.per_channel:
             return False
@@ -204,28 +198,9 @@ class QuantizedStorage(Storage):
         if not self.per_channel:
             self.keys.store(slots, keys)
 
-    def _flush(self, departed: Departed | None = None) -> None:
-        """Quantise every pending slot from its native copy: in the residual, or among the entries a
-        push just overwrote."""
-        pending, self._pending = self._pending, set()
-        sources = [(self.ring.values, self.ring.host_slots)]
-        if departed is not None:
-            sources.append((departed.values, departed.host_slots))
-        slots, natives = [], []
-        for held, shadowed in sources:
-            positions = [p for p, slot in enumerate(shadowed) if slot in pending and slot not in slots]
-            if positions:
-                slots += [shadowed[p] for p in positions]
-                natives.append(held.index_select(2, torch.tensor(positions, device=self.device)))
-        if slots:
-            keys, values = self.ring.split(torch.cat(natives, dim=2))
-            self._quantise_tokens(torch.tensor(slots, device=self.device), keys, values)
-
-    def _settle(self) -> None:
-        """Per-token codes written for every slot (before a write the host cannot follow, or static steps)."""
-        if self._pending:
-            self._flush()
-        self._pending = None
+    def _encode_pending(self, slots: torch.Tensor, natives: torch.Tensor) -> None:
+        """The per-token codes of pending ``slots`` from their native copies (:class:`PendingTokens`)."""
+        self._quantise_tokens(slots, *self.ring.split(natives))
 
     def _code_keys(self, slots: SlotIndex, keys: torch.Tensor, push: bool, departed: Departed | None) -> None:
         """Quantise the key groups that hold a token the residual no longer holds: the tokens of this
@@ -321,7 +296,7 @@ class QuantizedStorage(Storage):
 
     # --- the static decode step ----------------------------------------------------------
     def enter_static(self) -> None:
-        self._settle()
+        self._pending.settle(self.ring, self._encode_pending)
         self.ring.enter_static(self.device)
         super().enter_static()
 
@@ -339,7 +314,7 @@ class QuantizedStorage(Storage):
         (of every rewritten token) are quantised at each step; a group with no native token left
         to quantise is rewritten as it was."""
         self._quantise_tokens(slots, keys, values)
-        departed = self.ring.write_static(slots, torch.cat([keys, values], dim=-1), push)
+        departed = self.ring.write_static(slots, torch.cat([keys, values], dim=-1), push, departures=self.per_channel)
         if not self.per_channel:
             return
         self.keys.note_written(slots, keys)

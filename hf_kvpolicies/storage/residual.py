@@ -10,10 +10,16 @@ Keys and values are held side by side, ``[batch, kv_heads, size, key_dim + value
 push, refresh and reorder is one operation for both. A storage that must act on the tokens leaving
 the ring (the quantised storage codes their key groups then) asks :meth:`NativeResidual.note` and
 :meth:`NativeResidual.write_static` for the entries each push overwrites (:class:`Departed`).
+
+A read returns the shadowed slots natively, so a storage need not encode a token while the ring
+holds it: :class:`PendingTokens` keeps the slots whose encoding waits, and encodes them in one
+batch when they leave the ring (one encoding per ``size`` appends instead of one per token, each a
+few dozen small operations per layer and step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +64,9 @@ class NativeResidual:
         self._ring: torch.Tensor | None = None
         """Static steps: the device copy of ``_next`` (0-d long), advanced in place."""
         self._push_always = False  # static steps: push every write (as after per-row writes)
+        self._paired: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Views of ``slots`` and ``values`` shaped for a paired read's scatter (:meth:`overlay`), made
+        once per tensor (keys and values equally wide)."""
 
     def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.key_dim = key_dim
@@ -68,6 +77,14 @@ class NativeResidual:
         self.held = self._next = self.written_end = 0
         self._shadowed = [-1] * self.size
         self._ring = None
+        self._pair()
+
+    def _pair(self) -> None:
+        """Make the views of :attr:`_paired` for the tensors now held."""
+        self._paired = None
+        if self.size and 2 * self.key_dim == self.values.shape[-1]:
+            native = self.values.unflatten(-1, (2, self.key_dim))
+            self._paired = self.slots[..., None, None].expand_as(native), native
 
     @property
     def host_slots(self) -> list[int] | None:
@@ -119,7 +136,10 @@ class NativeResidual:
             departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring), host)
         if count == 1:
             self.values[:, :, self._next] = fresh[:, :, -1]
-            self.slots[:, :, self._next] = slots + q - 1 if isinstance(slots, int) else slots[..., -1]
+            if isinstance(slots, int):
+                self.slots.narrow(2, self._next, 1).fill_(slots + q - 1)
+            else:
+                self.slots[:, :, self._next] = slots[..., -1]
         else:
             if isinstance(slots, int):
                 tail = torch.arange(slots + q - count, slots + q, device=fresh.device)
@@ -148,17 +168,35 @@ class NativeResidual:
         self.values[:, :, : self.held] = torch.where(shadowed[..., None], new, current)
 
     # --- reads ---------------------------------------------------------------------------
-    def overlay(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots ``[0, length)`` decoded by the storage, with the shadowed ones made native."""
+    def overlay(
+        self, keys: torch.Tensor, values: torch.Tensor, length: int, paired: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[0, length)`` decoded by the storage, with the shadowed ones made native.
+        ``paired``: ``[batch, heads, length, 2, dim]``, a view of ``keys`` and ``values`` decoded
+        into one buffer (equal widths), which then take the entries in one scatter."""
         if not self.held:
             return keys, values
         if length >= self.written_end:  # every entry shadows a slot inside the read
-            held = self.slots[:, :, : self.held]
-            native_keys, native_values = self.split(self.values[:, :, : self.held])
-            keys.scatter_(2, expand_slots(held, keys), native_keys)
-            values.scatter_(2, expand_slots(held, values), native_values)
+            if self.held < self.size:
+                self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
+            elif paired is not None and self._paired is not None:  # views made once: a step pays for every operation
+                paired.scatter_(2, *self._paired)
+            else:
+                self._scatter(keys, values, paired, self.slots, self.values)
             return keys, values
         return self.override(keys, values, torch.arange(length, device=keys.device))
+
+    def _scatter(
+        self, keys: torch.Tensor, values: torch.Tensor, paired: torch.Tensor | None, slots: torch.Tensor, native: torch.Tensor
+    ) -> None:
+        """Entries ``native`` (side by side) written in place over the decoded slots ``slots``."""
+        if paired is not None:
+            native = native.unflatten(-1, (2, self.key_dim))
+            paired.scatter_(2, slots[..., None, None].expand_as(native), native)
+            return
+        native_keys, native_values = self.split(native)
+        keys.scatter_(2, expand_slots(slots, keys), native_keys)
+        values.scatter_(2, expand_slots(slots, values), native_values)
 
     def override(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded ``slots`` (``[n]`` or ``[batch, heads, n]``) with the shadowed ones made native."""
@@ -186,52 +224,57 @@ class NativeResidual:
     def static_tensors(self) -> list[torch.Tensor]:
         return [self._ring, self.values, self.slots] if self.size else [self._ring]
 
-    def write_static(self, slots: torch.Tensor, fresh: torch.Tensor, push: bool) -> Departed | None:
+    def write_static(self, slots: torch.Tensor, fresh: torch.Tensor, push: bool, departures: bool = False) -> Departed | None:
         """The rules of :meth:`note`, decided on the device: entries shadowing a written slot take
         its content; a write of shared slots that were all shadowed already pushes nothing.
-        Returns the entries the push overwrote (slot ``-1`` where none was)."""
+        ``departures``: return the entries the push overwrote (slot ``-1`` where none was)."""
         if not self.size:
             return None
         q = fresh.shape[-2]
         written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
         match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
-        source = match.to(torch.uint8).argmax(dim=-1)
-        refreshed = fresh.gather(2, expand_slots(source, fresh))
-        self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
+        if q == 1:  # every match takes the one token
+            self.values.copy_(torch.where(match, fresh, self.values))
+        else:
+            refreshed = fresh.gather(2, expand_slots(match.to(torch.uint8).argmax(dim=-1), fresh))
+            self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
         if not push:
             return None
         count = min(q, self.size)
-        ring = (self._ring + torch.arange(count, device=fresh.device)) % self.size
+        ring = self._ring.view(1) if count == 1 else (self._ring + torch.arange(count, device=fresh.device)) % self.size
         new_values = fresh[:, :, q - count :]
         new_slots = written[..., q - count :].expand(*fresh.shape[:2], count)
-        old_values, old_slots = self.values.index_select(2, ring), self.slots.index_select(2, ring)
+        departed = None
         if self._push_always or slots.dim() > 1:
-            advance = torch.full_like(self._ring, count)
-            departed = Departed(old_slots, old_values)
+            if departures:
+                departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring))
+            advance: int | torch.Tensor = count
         else:  # shared slots, every one shadowed already: refreshed in place, nothing pushed
+            old_values, old_slots = self.values.index_select(2, ring), self.slots.index_select(2, ring)
             covered = match.any(dim=-2).all()
             new_values = torch.where(covered, old_values, new_values)
             new_slots = torch.where(covered, old_slots, new_slots)
-            advance = (~covered).long() * count
-            departed = Departed(old_slots.masked_fill(covered, -1), old_values)
+            advance = (~covered).long() if count == 1 else (~covered).long() * count
+            if departures:
+                departed = Departed(old_slots.masked_fill(covered, -1), old_values)
         self.values.index_copy_(2, ring, new_values)
         self.slots.index_copy_(2, ring, new_slots)
-        self._ring.copy_((self._ring + advance) % self.size)
+        self._ring.add_(advance).remainder_(self.size)
         return departed
 
-    def overlay_static(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every entry scattered into the decoded buffers: entries in no use (``-1``) repeat entry 0,
-        which every static step's write has filled by the time it reads (the first push lands
-        there), and entries that share a slot agree, so they write nothing new and no copy of the
-        whole buffer is needed."""
+    def overlay_static(
+        self, keys: torch.Tensor, values: torch.Tensor, paired: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry scattered into the decoded buffers (``paired`` as in :meth:`overlay`): entries
+        in no use (``-1``) repeat entry 0, which every static step's write has filled by the time it
+        reads (the first push lands there), and entries that share a slot agree, so they write
+        nothing new and no copy of the whole buffer is needed."""
         if not self.size:
             return keys, values
         used = self.slots >= 0
         index = torch.where(used, self.slots, self.slots[..., :1])
         native = torch.where(used.unsqueeze(-1), self.values, self.values[..., :1, :])
-        native_keys, native_values = self.split(native)
-        keys.scatter_(2, expand_slots(index, keys), native_keys)
-        values.scatter_(2, expand_slots(index, values), native_values)
+        self._scatter(keys, values, paired, index, native)
         return keys, values
 
     def leave_static(self, capacity: int) -> None:
@@ -249,6 +292,7 @@ class NativeResidual:
         if self.size:
             self.values = self.values.index_select(0, batch_index)
             self.slots = self.slots.index_select(0, batch_index)
+            self._pair()
 
     @property
     def nbytes(self) -> int:
@@ -270,3 +314,63 @@ def _shadowing(held: torch.Tensor, slots: SlotIndex, q: int) -> torch.Tensor:
     else:
         written = slots.view(1, 1, 1, -1) if slots.dim() == 1 else slots.unsqueeze(-2)
     return held.unsqueeze(-1) == written
+
+
+Encoder = Callable[[torch.Tensor, torch.Tensor], None]
+"""Writes the codes of ``LongTensor[n]`` slots from their native keys and values side by side."""
+
+
+class PendingTokens:
+    """The slots a storage has written to its residual but not yet encoded, while every write
+    names ``int`` slots (``slots`` is ``None`` otherwise, and each write encodes its tokens).
+
+    A read returns such a slot natively, so its encoding can wait until it leaves the residual;
+    then every pending slot is encoded in one batch from its native copy (in the residual, or
+    among the entries the push just overwrote) by the storage's ``encode(slots, side_by_side)``,
+    which writes the codes of ``LongTensor[n]`` slots from their native keys and values."""
+
+    def __init__(self) -> None:
+        self.slots: set[int] | None = None
+
+    def allocate(self, residual: int) -> None:
+        self.slots = set() if residual else None
+
+    def lazy(self, slots: SlotIndex, ring: NativeResidual) -> bool:
+        """Whether a write to ``slots`` may leave its newest tokens to the residual."""
+        return isinstance(slots, int) and self.slots is not None and ring.host_slots is not None
+
+    def admit(self, start: int, q: int, push: bool, ring: NativeResidual) -> int:
+        """Of a lazy write of ``q`` tokens from slot ``start``, how many of the first must be
+        encoded now: all but the newest ``ring.size`` of a push (a write that only refreshes slots
+        the residual holds, or a rewrite, pushes nothing and encodes everything)."""
+        held = set(ring.host_slots)
+        taken = min(q, ring.size) if push and not held.issuperset(range(start, start + q)) else 0
+        self.slots.difference_update(range(start, start + q - taken))
+        self.slots.update(range(start + q - taken, start + q))
+        return q - taken
+
+    def due(self, leaving: list[int] | None) -> bool:
+        """Whether a push overwriting the entries that shadow ``leaving`` takes a pending slot."""
+        return bool(self.slots) and leaving is not None and not self.slots.isdisjoint(leaving)
+
+    def flush(self, ring: NativeResidual, encode: Encoder, departed: Departed | None = None) -> None:
+        """Encode every pending slot from its native copy (departed entries first looked up where
+        ``departed`` holds the entries a push just overwrote)."""
+        pending, self.slots = self.slots, set()
+        sources = [(ring.values, ring.host_slots)]
+        if departed is not None:
+            sources.append((departed.values, departed.host_slots))
+        slots, natives = [], []
+        for held, shadowed in sources:
+            positions = [p for p, slot in enumerate(shadowed) if slot in pending and slot not in slots]
+            if positions:
+                slots += [shadowed[p] for p in positions]
+                natives.append(held.index_select(2, torch.tensor(positions, device=held.device)))
+        if slots:
+            encode(torch.tensor(slots, device=natives[0].device), torch.cat(natives, dim=2))
+
+    def settle(self, ring: NativeResidual, encode: Encoder) -> None:
+        """Every slot encoded, and no more waiting (before a write the host cannot follow, or static steps)."""
+        if self.slots:
+            self.flush(ring, encode)
+        self.slots = None
