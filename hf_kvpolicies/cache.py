@@ -48,11 +48,14 @@ class ForwardState:
         """``[batch, seen + q]`` bool where the batch is padded."""
         self.queries: dict[int, tuple[torch.Tensor, float]] = {}
         self.layer_masks: list[torch.Tensor] | None = None
+        self.static_masks: tuple[int, str, torch.dtype] | None = None
+        """``(query groups, implementation, dtype)`` on a decode step whose static layers each need
+        their own mask (built on the device as each layer's attention begins)."""
         self.causal = True
         """Whether the forward's mask is causal with padding (:func:`~hf_kvpolicies.masks.causal_with_padding`)."""
 
     def begin(self) -> None:
-        self.padding, self.layer_masks, self.causal = None, None, True
+        self.padding, self.layer_masks, self.static_masks, self.causal = None, None, None, True
         self.queries.clear()
 
     end = begin
@@ -370,9 +373,12 @@ class PolicyCache(Cache):
         if query_length > 1 and self.get_seq_length() == 0:
             padding = prompt_padding(padding)
         implementation = config._attn_implementation
-        per_head = self.per_head_masks and self.get_seq_length() > 0
-        if self.sizes_differ_by_layer and (
-            per_head or len({layer.retention.returned_length(query_length) for layer in self.layers}) > 1
+        static = [layer.retention.static for layer in self.layers] if query_length == 1 else [False]
+        if self.sizes_differ_by_layer and any(static):  # shown their slots from device state: nothing read back
+            forward.static_masks = (_query_groups(config), implementation, dtype)
+        if self.sizes_differ_by_layer and not all(static) and (
+            self.per_head_masks and self.get_seq_length() > 0
+            or len({layer.retention.returned_length(query_length) for layer in self.layers}) > 1
         ):
             forward.layer_masks = self._layer_masks(padding, inputs, query_length, config, dtype)
         if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
@@ -398,13 +404,14 @@ class PolicyCache(Cache):
         """Each layer's own exact mask, where layers return different numbers of keys (pyramid or
         adaptive layer budgets) or per head (pooled heads, rows with their own budgets): transformers
         builds one from the first layer's sizes. An sdpa decode step of an unpadded batch needs none
-        (every kept key is visible), unless a head or a row must not see some slots."""
+        (every kept key is visible), unless a head or a row must not see some slots, or the cache is
+        compileable (transformers then builds a mask of the first layer's size for every step)."""
         implementation = config._attn_implementation
         padded = isinstance(padding, torch.Tensor) and padding.dim() == 2 and (
             self.padded if query_length == 1 and self.padded is not None else not bool(padding.all())
         )
-        if query_length == 1 and implementation == "sdpa" and not padded and not self.per_head_masks:
-            return None
+        if query_length == 1 and implementation == "sdpa" and not padded and not self.per_head_masks and not self.is_compileable:
+            return None  # (transformers builds a compileable cache's mask, from the first layer's sizes)
         if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
             padding = torch.ones(inputs.shape[0], self.get_seq_length() + query_length, dtype=torch.bool, device=inputs.device)
         groups = _query_groups(config)
@@ -414,6 +421,14 @@ class PolicyCache(Cache):
         ]
 
     def layer_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer ``layer_idx``'s own mask for this forward (``None``: the model's)."""
+        retention = self.layers[layer_idx].retention
+        if self.forward.static_masks is not None and retention.static:
+            visible = retention.static_visible()
+            if visible is None:
+                return None
+            groups, implementation, dtype = self.forward.static_masks
+            return to_attention_format(visible[:, :, None].repeat_interleave(groups, dim=1), implementation, dtype)
         masks = self.forward.layer_masks
         return None if masks is None else masks[layer_idx]
 

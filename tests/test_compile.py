@@ -49,6 +49,13 @@ POLICIES = {
     "kvzip": lambda model, storage: KVzipCache(
         model, budget=8, recent=2, layer_budgets="uniform", head_budgets="uniform", tokenizer=char_tokenizer(), storage=storage
     ),
+    # layers of their own sizes, heads that share a pool: each layer's attention gets its own mask
+    "h2o-pooled-heads": lambda model, storage: H2OCache(model, heavy=4, recent=4, head_budgets="adaptive", storage=storage),
+    "h2o-pyramid": lambda model, storage: H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid", storage=storage),
+    "snapkv-adaptive-layers": lambda model, storage: SnapKVCache(
+        model, budget=8, window=3, kernel=3, layer_budgets="adaptive", storage=storage
+    ),
+    "kvzip-defaults": lambda model, storage: KVzipCache(model, budget=8, recent=2, tokenizer=char_tokenizer(), storage=storage),
 }
 
 
@@ -108,7 +115,7 @@ def test_compiled_decoding_traces_once_and_matches_eager(name, storage, one_thre
         assert kept_positions(compiled_cache)[0] == list(range(sinks)) + list(range(total - 8, total))
 
 
-SLIDING_MODEL_POLICIES = sorted(set(POLICIES) - {"kvzip"})
+SLIDING_MODEL_POLICIES = sorted(set(POLICIES) - {"kvzip", "kvzip-defaults"})
 """KVzip refuses models with sliding layers (its replay needs the whole context in every layer)."""
 
 
@@ -161,20 +168,23 @@ def test_inductor_compiled_window_matches_eager(one_thread):
     assert decode(model, SlidingWindowCache(model, window=8), prompt, 12, compiled) == expected
 
 
-@pytest.mark.parametrize("model_name, storage", [("llama", "native"), ("llama", "fp8"), ("gemma3", "native")])
-def test_generate_with_a_compile_config_compiles_the_decode_step(model_name, storage, one_thread):
+@pytest.mark.parametrize(
+    "model_name, storage, heads", [("llama", "native", "uniform"), ("llama", "fp8", "uniform"), ("gemma3", "native", "uniform"), ("llama", "native", "adaptive")]
+)
+def test_generate_with_a_compile_config_compiles_the_decode_step(model_name, storage, heads, one_thread):
     """generate() builds a compiled step's masks eagerly, between steps: Gemma 3's sliding mask
-    then reads host counts that the compiled steps kept current."""
+    then reads host counts that the compiled steps kept current; pooled heads' own masks are built
+    inside the step."""
     model = tiny_llama() if model_name == "llama" else tiny_gemma3()
     prompt = random_ids(2, PROMPT, seed=6)
     options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    expected = model.generate(prompt, cache=H2OCache(model, heavy=4, recent=4, storage=storage), **options)
+    expected = model.generate(prompt, cache=H2OCache(model, heavy=4, recent=4, head_budgets=heads, storage=storage), **options)
     config = CompileConfig(backend="eager", fullgraph=True)
     config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
     torch._dynamo.reset()
     counters.clear()
     got = model.generate(
-        prompt, cache=H2OCache(model, heavy=4, recent=4, storage=storage), compile_config=config, **options
+        prompt, cache=H2OCache(model, heavy=4, recent=4, head_budgets=heads, storage=storage), compile_config=config, **options
     )
     assert torch.equal(got, expected)
     assert 1 <= counters["stats"]["unique_graphs"] <= 2  # the decode step, traced once (a recompile at most)
@@ -187,8 +197,9 @@ def test_is_compileable_exactly_where_decode_steps_are_static():
     assert FP8Cache(model, max_length=64).is_compileable
     assert not FullCache(model).is_compileable  # grows
     assert not FP8Cache(model).is_compileable
-    assert not H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid").is_compileable  # sizes differ per layer
-    assert not H2OCache(model, heavy=4, recent=4, head_budgets="adaptive").is_compileable  # per-head masks
+    assert H2OCache(model, heavy=4, recent=4, layer_budgets="pyramid").is_compileable  # each layer's own mask
+    assert H2OCache(model, heavy=4, recent=4, head_budgets="adaptive").is_compileable  # and each head's
+    assert KVzipCache(model, budget=16, tokenizer=char_tokenizer()).is_compileable  # its defaults: both
     assert SlidingWindowCache(tiny_gemma3(), window=4).is_compileable  # the model's own sliding layers too
     assert not FullCache(tiny_gemma3()).is_compileable  # its full-attention layers grow
 

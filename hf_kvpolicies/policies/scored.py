@@ -161,9 +161,12 @@ class ScoredCache(PolicyCache):
         return self.head_budgets == "adaptive" or any(r.row_budgets is not None for r in self.scored_layers())
 
     def static_layout(self) -> bool:
-        """Pyramid and adaptive budgets give layers different sizes, which one static mask cannot serve;
-        pooled heads need a per-head mask at every step."""
-        return self.layer_budgets == "uniform" and self.head_budgets == "uniform" and super().static_layout()
+        """Pyramid and adaptive budgets give layers different sizes, and pooled heads show each head
+        its own slots: in static steps each such layer's attention module gets its own mask, built
+        on the device from the layer's state (:meth:`PolicyCache.layer_mask`), in a format sdpa and
+        eager attention take."""
+        uniform = self.layer_budgets == "uniform" and self.head_budgets == "uniform"
+        return (uniform or self.attn_implementation in MASK_FORMATS) and super().static_layout()
 
     def layer_budget_sizes(self) -> list[int | None]:
         """Each scored layer's budget (``None`` until the first forward fixes it): the largest row's,

@@ -279,8 +279,18 @@ class Retention(ABC):
 
     def leave_static(self, storage: Storage) -> None:
         """Back to host bookkeeping (before any host-side use of the layout; may read the device)."""
-        self._leave_static(storage, self.counts.sync(storage.capacity))
+        self._leave_static(storage, self.counts.sync(storage.capacity, self.slots_per_step))
         storage.leave_static()
+
+    @property
+    def slots_per_step(self) -> int:
+        """Slots a static step takes while the buffer fills (one token each, by default)."""
+        return 1
+
+    def static_visible(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, slots]``: the slots the next static step shows its query, where the
+        layer needs its own mask (``None``: the mask transformers builds from ``get_mask_sizes``)."""
+        return None
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
         """The subclass's device state, filled from the host; returns the tensors static steps mutate."""
@@ -291,7 +301,7 @@ class Retention(ABC):
 
     def _static_done(self, storage: Storage) -> None:
         """After a static step: the counts advance (:meth:`Counts.advance`)."""
-        self.counts.advance(storage.capacity)
+        self.counts.advance(storage.capacity, self.slots_per_step)
 
     # --- helpers for subclasses -------------------------------------------------------
     def _after_trim(self) -> None:

@@ -44,21 +44,22 @@ class Counts:
         self.static, self.stale = True, False
         return self.seen_t
 
-    def advance(self, capacity: int) -> None:
-        """One static step: the device count moves on; eagerly the host ints follow (nothing read
-        back), compiled they go stale, or follow as well where ``follow_compiled``."""
+    def advance(self, capacity: int, slots: int = 1) -> None:
+        """One static step, which takes ``slots`` more slots until ``capacity`` are in use (a token
+        per head where heads share a pool): the device count moves on; eagerly the host ints follow
+        (nothing read back), compiled they go stale, or follow as well where ``follow_compiled``."""
         self.seen_t.add_(1)
         if torch.compiler.is_compiling() and not self.follow_compiled:
             self.stale = True
         else:
             self.seen += 1
-            self.live = min(self.live + 1, capacity)
+            self.live = min(self.live + slots, capacity)
 
-    def sync(self, capacity: int) -> int:
-        """Static steps end: host ints brought up to date (one read when stale); returns how many
-        static steps ran."""
+    def sync(self, capacity: int, slots: int = 1) -> int:
+        """Static steps end: host ints brought up to date (one read when stale; ``slots`` as in
+        :meth:`advance`); returns how many static steps ran."""
         if self.stale:
             self.seen = int(self.seen_t)
-            self.live = min(self.entry[1] + self.seen - self.entry[0], capacity)
+            self.live = min(self.entry[1] + slots * (self.seen - self.entry[0]), capacity)
         self.static = self.stale = False
         return self.seen - self.entry[0]

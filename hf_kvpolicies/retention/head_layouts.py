@@ -8,7 +8,6 @@ selection smoothing read it alike; they differ in how slots map to storage and w
 * :class:`PerHead` (``head_budgets="uniform"``): each (row, KV head) has ``budget + 1`` slots of
   its own in ``[batch, kv_heads, slots, dim]`` storage. While the cache fills, tokens append; then
   a decode step writes into the slot freed last and frees the lowest-ranked one of that head.
-  Static decode steps (torch.compile) are this layout's.
 * :class:`PooledHeads` (``head_budgets="adaptive"``, AdaKV): the heads share ``heads x budget``
   tokens, held in one pooled storage row ``[batch, 1, heads x (budget + 1), dim]`` whose slots each
   belong to one head (its position sits in its owner's row, ``-1`` elsewhere:
@@ -16,6 +15,9 @@ selection smoothing read it alike; they differ in how slots map to storage and w
   head under a per-head mask; a decode step writes each head's token into a free slot of its own
   and frees the ``heads`` slots ranked lowest in the whole layer, whichever heads hold them; every
   multi-token forward attends in full and trims. What is not kept is freed (kvpress masks it).
+
+Both have a static decode step (torch.compile): once a layer's buffer has its final size, a
+decode step writes, scores and frees with device indices and fixed shapes.
 
 Each method takes the retention whose state it reads and writes (``r``).
 """
@@ -86,6 +88,10 @@ class HeadLayout(ABC):
     def trim(self, r, storage: Storage, pending: Pending) -> None:
         """Keep the best of a forward that attended in full, within the layer's budget."""
 
+    @abstractmethod
+    def static_capacity(self, r) -> int:
+        """The storage slots a layer has once it holds its budget (static decode steps need them all)."""
+
     def __repr__(self) -> str:
         return self.name
 
@@ -94,6 +100,9 @@ class PerHead(HeadLayout):
     """``budget + 1`` slots per (row, KV head); one in-place eviction per decoded token."""
 
     name, pooled, compileable = "PerHead", False, True
+
+    def static_capacity(self, r) -> int:
+        return r.budget + 1
 
     def plan(self, r, q: int) -> SlotIndex | None:
         if r.has_free:
@@ -185,7 +194,10 @@ class PerHead(HeadLayout):
 class PooledHeads(HeadLayout):
     """The heads share ``heads x budget`` tokens in one pooled storage row (AdaKV)."""
 
-    name, pooled, compileable = "PooledHeads", True, False
+    name, pooled, compileable = "PooledHeads", True, True
+
+    def static_capacity(self, r) -> int:
+        return r.positions.shape[1] * (r.budget + 1)
 
     def plan(self, r, q: int) -> SlotIndex | None:
         """One decoded token per head into free slots; anything else attends in full, then trims."""
@@ -263,6 +275,45 @@ class PooledHeads(HeadLayout):
         # the freed slots hold no token for any head (scores and state are reset when written)
         r.positions.scatter_(-1, victims.unsqueeze(1).expand(batch, heads, heads), -1)
         r.has_free = True
+        return all_keys, all_values
+
+    def static_step(self, r, storage: Storage, keys, values, query, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` with fixed shapes and no host state: every pooled slot is returned and
+        scored, unfilled ones masked (the cache hands the attention module each head's slots,
+        :meth:`~hf_kvpolicies.retention.scored.ScoredRetention.static_visible`); while the pool
+        fills, each head's next slot is the append, then the ``heads`` slots ranked lowest in the
+        layer are freed, all on the device."""
+        batch, heads = keys.shape[:2]
+        slots, capacity = r.free, r.positions.shape[-1]
+        storage.write_static(slots.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        r.positions.scatter_(-1, slots, r.seen_t.expand_as(slots))
+        r._zero_new_state(slots)
+        # eagerly the host count says when the pool is full after this step; compiled it is
+        # frozen, so that is decided on the device
+        host = not torch.compiler.is_compiling() and not r.stale
+        filled = host and r.live + heads >= capacity
+        if not (host and r.live >= capacity):
+            r.live_t.add_(heads).clamp_(max=capacity)
+        all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read_static())
+        real = r.positions >= 0
+        seen = Attended(all_keys, keys, capacity - 1, slots, query, scaling, real, None, r.positions, new_values=values)
+        scores = r.score(seen, r.scores, r.extra)
+        if scores is not r.scores:  # a statistic that updated them in place returns them
+            r.scores.copy_(scores)
+        following = r.seen_t + 1
+        ranked = r.evictable(r.positions, r.ranking(r.positions, r.scores, following), following, real=real)
+        victims = pooled_victims(r.positions, ranked, heads).unsqueeze(-1)  # victim i: head i's next slot
+        freed = r.positions.scatter(-1, victims.view(batch, 1, heads).expand(batch, heads, heads), -1)
+        if filled:
+            r.positions.copy_(freed)
+            r.free.copy_(victims)
+        else:
+            full = r.live_t >= capacity
+            r.positions.copy_(torch.where(full, freed, r.positions))
+            r.free.copy_(torch.where(full, victims, slots + heads))
+        r._static_done(storage)
+        if not torch.compiler.is_compiling():
+            r.has_free = r.live >= capacity
         return all_keys, all_values
 
     def trim(self, r, storage: Storage, pending: Pending) -> None:

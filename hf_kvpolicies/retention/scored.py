@@ -317,7 +317,7 @@ class ScoredRetention(Retention):
         ranked = self.evictable(pending.positions, self.ranking(pending.positions, pending.scores))
         return ranked.masked_fill(ranked == float("inf"), float("-inf"))
 
-    # --- the static decode step (unpadded batches, uniform budgets, a budget per head) ------------
+    # --- the static decode step (unpadded batches whose rows share the layer's budget) ------------
     @property
     def compileable(self) -> bool:
         return self.layout.compileable
@@ -325,27 +325,45 @@ class ScoredRetention(Retention):
     def static_ready(self, storage: Storage) -> bool:
         return (
             self.layout.compileable and self.budget is not None and self.pending is None and not self.padded
-            and storage.is_allocated and storage.capacity == self.budget + 1
+            and self.row_budgets is None and self.positions is not None and storage.is_allocated
+            and storage.capacity == self.layout.static_capacity(self)
         )
+
+    @property
+    def slots_per_step(self) -> int:
+        return self.positions.shape[1] if self.layout.pooled and self.positions is not None else 1
+
+    def static_visible(self) -> torch.Tensor:
+        """Every slot holding a token, and the free ones this step writes (a freed slot holds ``-1``
+        until then)."""
+        return (self.positions >= 0).scatter_(-1, self.free, True)
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
         self.live_t = torch.full((), self.live, dtype=torch.long, device=storage.device)
-        if not self.has_free:
+        if not self.has_free and not self.layout.pooled:
             self.free.fill_(self.live)  # while the slots fill, the next one is the append
         return [self.live_t, self.positions, self.scores, self.free, *self.extra.values()]
+
+    def _zero_new_state(self, slot: torch.Tensor) -> None:
+        """Zero the scores and per-slot state at ``slot`` (``[batch, kv_heads, n]``) for the new
+        tokens, unless the statistic sets them itself."""
+        if self.sets_new_state:
+            return
+        self.scores.scatter_(-1, slot, 0.0)
+        for t in self.extra.values():
+            t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), slot.shape[-1]).expand(*t.shape[:-1], slot.shape[-1]), 0.0)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to ``free`` (the append while the slots fill, then the slot evicted last);
         the statistic sees every slot, unfilled ones masked; once every slot is in use the lowest
-        is chosen as the next ``free``, all on the device."""
+        is chosen as the next ``free``, all on the device (pooled heads: the layout's own step)."""
         query, scaling = self._checked_query(query, 1)
+        if self.layout.pooled:
+            return self.layout.static_step(self, storage, keys, values, query, scaling)
         slot, slots = self.free, self.positions.shape[-1]
         storage.write_static(slot, keys, values)
         self.positions.scatter_(-1, slot, self.seen_t.expand_as(slot))
-        if not self.sets_new_state:
-            self.scores.scatter_(-1, slot, 0.0)
-            for t in self.extra.values():
-                t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1), 0.0)
+        self._zero_new_state(slot)
         # eagerly, the host count says when every slot holds a token (the new one fills the last):
         # then no key needs masking and the next free slot is the lowest; compiled, the count is
         # frozen, so both are decided on the device
@@ -367,11 +385,11 @@ class ScoredRetention(Retention):
         self.free.copy_(lowest if filled else torch.where(self.live_t >= slots, lowest, self.live_t))
         self._static_done(storage)
         if not torch.compiler.is_compiling():
-            self.has_free = self.live > self.budget
+            self.has_free = self.live >= storage.capacity
         return all_keys, all_values
 
     def _leave_static(self, storage: Storage, steps: int) -> None:
-        self.has_free = self.live > self.budget
+        self.has_free = self.live >= storage.capacity
 
     # --- what the head layouts share ----------------------------------------------------------
     def attended(self, keys, new_keys, new_values, slots, query, scaling, positions, values) -> Attended:
