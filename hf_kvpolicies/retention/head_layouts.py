@@ -45,8 +45,6 @@ class HeadLayout(ABC):
     name: str
     pooled: bool
     """Whether the heads share one storage row (every forward then needs a per-head mask)."""
-    compileable: bool
-    """Whether decode steps can be static (torch.compile)."""
 
     @abstractmethod
     def plan(self, r, q: int) -> SlotIndex | None:
@@ -92,6 +90,10 @@ class HeadLayout(ABC):
     def static_capacity(self, r) -> int:
         """The storage slots a layer has once it holds its budget (static decode steps need them all)."""
 
+    @abstractmethod
+    def static_step(self, r, storage: Storage, keys, values, query, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` with fixed shapes and no host state (the retention then advances its counts)."""
+
     def __repr__(self) -> str:
         return self.name
 
@@ -99,10 +101,39 @@ class HeadLayout(ABC):
 class PerHead(HeadLayout):
     """``budget + 1`` slots per (row, KV head); one in-place eviction per decoded token."""
 
-    name, pooled, compileable = "PerHead", False, True
+    name, pooled = "PerHead", False
 
     def static_capacity(self, r) -> int:
         return r.budget + 1
+
+    def static_step(self, r, storage: Storage, keys, values, query, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token goes to ``free`` (the append while the slots fill, then the slot evicted last);
+        the statistic sees every slot, unfilled ones masked; once every slot is in use the lowest
+        is chosen as the next ``free``, all on the device."""
+        slot, slots = r.free, r.positions.shape[-1]
+        storage.write_static(slot, keys, values)
+        r.positions.scatter_(-1, slot, r.seen_t.expand_as(slot))
+        r.zero_new_state(slot)
+        # eagerly, the host count says when every slot holds a token (the new one fills the last):
+        # then no key needs masking and the next free slot is the lowest; compiled, the count is
+        # frozen, so both are decided on the device
+        host = not torch.compiler.is_compiling() and not r.stale
+        filled = host and r.live + 1 >= slots
+        if not (host and r.live >= slots):  # the device count stops at every slot
+            r.live_t.add_(1).clamp_(max=slots)
+        all_keys, all_values = storage.read_static()
+        key_mask = None if filled else r.positions >= 0
+        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=r.positions, new_values=values)
+        scores = r.score(seen, r.scores, r.extra)
+        if scores is not r.scores:  # a statistic that updated them in place returns them
+            r.scores.copy_(scores)
+        # the lowest is used only once every slot is in use (before, the next slot is the append),
+        # so no empty slot needs ranking last
+        following = r.seen_t + 1
+        ranked = r.ranking(r.positions, r.scores, following)
+        lowest = r.lowest(r.positions, ranked, following, every_slot_held=True)
+        r.free.copy_(lowest if filled else torch.where(r.live_t >= slots, lowest, r.live_t))
+        return all_keys, all_values
 
     def plan(self, r, q: int) -> SlotIndex | None:
         if r.has_free:
@@ -194,7 +225,7 @@ class PerHead(HeadLayout):
 class PooledHeads(HeadLayout):
     """The heads share ``heads x budget`` tokens in one pooled storage row (AdaKV)."""
 
-    name, pooled, compileable = "PooledHeads", True, True
+    name, pooled = "PooledHeads", True
 
     def static_capacity(self, r) -> int:
         return r.positions.shape[1] * (r.budget + 1)
@@ -278,8 +309,8 @@ class PooledHeads(HeadLayout):
         return all_keys, all_values
 
     def static_step(self, r, storage: Storage, keys, values, query, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`step` with fixed shapes and no host state: every pooled slot is returned and
-        scored, unfilled ones masked (the cache hands the attention module each head's slots,
+        """Every pooled slot is returned and scored, unfilled ones masked (the cache hands the
+        attention module each head's slots,
         :meth:`~hf_kvpolicies.retention.scored.ScoredRetention.static_visible`); while the pool
         fills, each head's next slot is the append, then the ``heads`` slots ranked lowest in the
         layer are freed, all on the device."""
@@ -287,7 +318,7 @@ class PooledHeads(HeadLayout):
         slots, capacity = r.free, r.positions.shape[-1]
         storage.write_static(slots.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
         r.positions.scatter_(-1, slots, r.seen_t.expand_as(slots))
-        r._zero_new_state(slots)
+        r.zero_new_state(slots)
         # eagerly the host count says when the pool is full after this step; compiled it is
         # frozen, so that is decided on the device
         host = not torch.compiler.is_compiling() and not r.stale
@@ -311,9 +342,6 @@ class PooledHeads(HeadLayout):
             full = r.live_t >= capacity
             r.positions.copy_(torch.where(full, freed, r.positions))
             r.free.copy_(torch.where(full, victims, slots + heads))
-        r._static_done(storage)
-        if not torch.compiler.is_compiling():
-            r.has_free = r.live >= capacity
         return all_keys, all_values
 
     def trim(self, r, storage: Storage, pending: Pending) -> None:

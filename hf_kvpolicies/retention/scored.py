@@ -318,13 +318,11 @@ class ScoredRetention(Retention):
         return ranked.masked_fill(ranked == float("inf"), float("-inf"))
 
     # --- the static decode step (unpadded batches whose rows share the layer's budget) ------------
-    @property
-    def compileable(self) -> bool:
-        return self.layout.compileable
+    compileable = True
 
     def static_ready(self, storage: Storage) -> bool:
         return (
-            self.layout.compileable and self.budget is not None and self.pending is None and not self.padded
+            self.budget is not None and self.pending is None and not self.padded
             and self.row_budgets is None and self.positions is not None and storage.is_allocated
             and storage.capacity == self.layout.static_capacity(self)
         )
@@ -344,7 +342,7 @@ class ScoredRetention(Retention):
             self.free.fill_(self.live)  # while the slots fill, the next one is the append
         return [self.live_t, self.positions, self.scores, self.free, *self.extra.values()]
 
-    def _zero_new_state(self, slot: torch.Tensor) -> None:
+    def zero_new_state(self, slot: torch.Tensor) -> None:
         """Zero the scores and per-slot state at ``slot`` (``[batch, kv_heads, n]``) for the new
         tokens, unless the statistic sets them itself."""
         if self.sets_new_state:
@@ -354,39 +352,13 @@ class ScoredRetention(Retention):
             t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), slot.shape[-1]).expand(*t.shape[:-1], slot.shape[-1]), 0.0)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The token goes to ``free`` (the append while the slots fill, then the slot evicted last);
-        the statistic sees every slot, unfilled ones masked; once every slot is in use the lowest
-        is chosen as the next ``free``, all on the device (pooled heads: the layout's own step)."""
+        """The layout's static step (:meth:`HeadLayout.static_step`), then the counts advance."""
         query, scaling = self._checked_query(query, 1)
-        if self.layout.pooled:
-            return self.layout.static_step(self, storage, keys, values, query, scaling)
-        slot, slots = self.free, self.positions.shape[-1]
-        storage.write_static(slot, keys, values)
-        self.positions.scatter_(-1, slot, self.seen_t.expand_as(slot))
-        self._zero_new_state(slot)
-        # eagerly, the host count says when every slot holds a token (the new one fills the last):
-        # then no key needs masking and the next free slot is the lowest; compiled, the count is
-        # frozen, so both are decided on the device
-        host = not torch.compiler.is_compiling() and not self.stale
-        filled = host and self.live + 1 >= slots
-        if not (host and self.live >= slots):  # the device count stops at every slot
-            self.live_t.add_(1).clamp_(max=slots)
-        all_keys, all_values = storage.read_static()
-        key_mask = None if filled else self.positions >= 0
-        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=self.positions, new_values=values)
-        scores = self.score(seen, self.scores, self.extra)
-        if scores is not self.scores:  # a statistic that updated them in place returns them
-            self.scores.copy_(scores)
-        # the lowest is used only once every slot is in use (before, the next slot is the append),
-        # so no empty slot needs ranking last
-        following = self.seen_t + 1
-        ranked = self.ranking(self.positions, self.scores, following)
-        lowest = self.lowest(self.positions, ranked, following, every_slot_held=True)
-        self.free.copy_(lowest if filled else torch.where(self.live_t >= slots, lowest, self.live_t))
+        returned = self.layout.static_step(self, storage, keys, values, query, scaling)
         self._static_done(storage)
         if not torch.compiler.is_compiling():
             self.has_free = self.live >= storage.capacity
-        return all_keys, all_values
+        return returned
 
     def _leave_static(self, storage: Storage, steps: int) -> None:
         self.has_free = self.live >= storage.capacity

@@ -13,8 +13,8 @@ the ring (the quantised storage codes their key groups then) asks :meth:`NativeR
 
 A read returns the shadowed slots natively, so a storage need not encode a token while the ring
 holds it: :class:`PendingTokens` keeps the slots whose encoding waits, and encodes them in one
-batch when they leave the ring (one encoding per ``size`` appends instead of one per token, each a
-few dozen small operations per layer and step).
+batch when the first of them leaves the ring (one encoding per ``size + 1`` appends instead of one
+per token, each a few dozen small operations per layer and step).
 """
 
 from __future__ import annotations
