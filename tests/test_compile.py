@@ -169,7 +169,8 @@ def test_inductor_compiled_window_matches_eager(one_thread):
 
 
 @pytest.mark.parametrize(
-    "model_name, storage, heads", [("llama", "native", "uniform"), ("llama", "fp8", "uniform"), ("gemma3", "native", "uniform"), ("llama", "native", "adaptive")]
+    "model_name, storage, heads",
+    [("llama", "native", "uniform"), ("llama", "fp8", "uniform"), ("gemma3", "native", "uniform"), ("llama", "native", "adaptive")],
 )
 def test_generate_with_a_compile_config_compiles_the_decode_step(model_name, storage, heads, one_thread):
     """generate() builds a compiled step's masks eagerly, between steps: Gemma 3's sliding mask
