@@ -43,9 +43,10 @@ class NativeStorage(Storage):
         elif slots.dim() == 1:
             self.keys.index_copy_(2, slots, keys)
             self.values.index_copy_(2, slots, values)
-        else:  # each by its own width (multi-head latent attention: keys wider than values)
-            self.keys.scatter_(2, expand_slots(slots, keys), keys)
-            self.values.scatter_(2, expand_slots(slots, values), values)
+        else:  # one index where keys and values are as wide (multi-head latent attention: keys wider)
+            index = expand_slots(slots, keys)
+            self.keys.scatter_(2, index, keys)
+            self.values.scatter_(2, index if values.shape[-1] == keys.shape[-1] else expand_slots(slots, values), values)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]
