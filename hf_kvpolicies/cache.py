@@ -13,7 +13,15 @@ from transformers.utils import logging
 
 from . import hooks
 from .attention_scores import as_attention_result
-from .masks import allowed_keys, causal_with_padding, check_mask_format, masks_by_layer_type, prompt_padding, to_attention_format
+from .masks import (
+    allowed_keys,
+    causal_with_padding,
+    check_mask_format,
+    masks_by_layer_type,
+    per_query_head,
+    prompt_padding,
+    to_attention_format,
+)
 from .model_layout import LayerLayout, layer_layouts, max_positions
 from .retention import Retention, RingRetention
 from .storage import Storage, StorageFactory, storage_factory
@@ -428,7 +436,7 @@ class PolicyCache(Cache):
             if visible is None:
                 return None
             groups, implementation, dtype = self.forward.static_masks
-            return to_attention_format(visible[:, :, None].repeat_interleave(groups, dim=1), implementation, dtype)
+            return to_attention_format(per_query_head(visible, groups), implementation, dtype)
         masks = self.forward.layer_masks
         return None if masks is None else masks[layer_idx]
 

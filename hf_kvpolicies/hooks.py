@@ -19,9 +19,9 @@ cache's own methods (:class:`ForwardParticipant`):
 
 Where a layer's statistic computes the softmax probabilities of every query of a forward over
 every key attention sees (H2O, KVzip after its reconstruction), ``computes_attention(layer_idx)``
-(asked on forwards of several tokens only) lets it compute attention's output from them as well: the module's attention then runs
-:func:`shared_attention`, which returns ``attention_output(layer_idx)`` instead of computing the
-softmax a second time (the module's configured implementation is swapped in the module's pre-hook,
+(asked on forwards of several tokens only) lets it compute attention's output from them as well:
+the module's attention then runs :func:`shared_attention`, which returns
+``attention_output(layer_idx)`` instead of computing the softmax a second time (the module's configured implementation is swapped in the module's pre-hook,
 after the forward's masks are built, and back as the function is called).
 
 Any other cache (``DynamicCache``, a cache given to another model) meets hooks that return after

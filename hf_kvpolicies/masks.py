@@ -96,7 +96,7 @@ def allowed_keys(retention, padding: torch.Tensor, query_length: int, groups: in
     key_pos = retention.key_positions(query_length)
     if key_pos.dim() == 3:
         if query_length == 1 and not padded:  # every kept token precedes the query and is real
-            return (key_pos.to(device) >= 0)[:, :, None].repeat_interleave(groups, dim=1)
+            return per_query_head(key_pos.to(device) >= 0, groups)
         return _per_head_allowed(retention, padding, key_pos.to(device), query_length, groups)
     query_pos = torch.arange(retention.seen, retention.seen + query_length)
     causal = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
@@ -107,6 +107,12 @@ def allowed_keys(retention, padding: torch.Tensor, query_length: int, groups: in
     # producing NaN; its output is never used
     empty = ~allowed.any(dim=-1, keepdim=True)
     return (allowed | empty)[:, None]
+
+
+def per_query_head(visible: torch.Tensor, groups: int) -> torch.Tensor:
+    """bool ``[batch, query_heads, 1, k]``: a decode step's keys ``visible`` per KV head
+    (``[batch, kv_heads, k]``), repeated for the ``groups`` query heads of each."""
+    return visible[:, :, None].repeat_interleave(groups, dim=1)
 
 
 def _per_head_allowed(retention, padding: torch.Tensor, key_pos: torch.Tensor, query_length: int, groups: int):

@@ -250,9 +250,7 @@ class FP8Storage(Storage):
         if lazy:
             now = pending.admit(slots, q, new_tokens, ring)
             if now:
-                payload, codes = self._quantise(fresh[:, :, :now])
-                self.payload[:, :, slots : slots + now] = payload
-                self.scales[:, :, slots : slots + now] = codes
+                self._encode(slots, fresh[:, :, :now])
         else:
             pending.settle(ring, self._encode)
             if not isinstance(slots, int):
