@@ -8,9 +8,9 @@ context (its cost is flat), a scored policy's step at most :data:`SCORED_EXTRA` 
 sliding window's, and ranking in chunks (``chunk=``) at most :data:`CHUNK_EXTRA` more than the
 same policy's single tokens. ``pytest tests/test_decode_ops.py -s`` prints the table.
 
-Every operation counted, views included, the ring and full retentions on native storage hold
-:data:`OWN_STEP_BUDGET`: what their work adds to a layer's step beyond ``DynamicCache``'s (on a GPU,
-each is a launch paid in every layer at every token).
+Every operation counted, views included, the ring and full retentions and KNorm on native storage
+hold :data:`OWN_STEP_BUDGET`: what their work adds to a layer's step beyond ``DynamicCache``'s (on a
+GPU, each is a launch paid in every layer at every token).
 """
 
 from __future__ import annotations
@@ -88,11 +88,13 @@ def test_bounded_steps_are_flat_and_scored_ones_cost_a_few_dozen_operations(coun
         assert not chunked or ops[0] <= single + CHUNK_EXTRA, (name, ops, single)
 
 
-OWN_STEP_BUDGET = {"window": 8, "full": 8, "sink": 20}
+OWN_STEP_BUDGET = {"window": 8, "full": 8, "sink": 12, "knorm": 25}
 """Every aten operation (views included) a cache's work adds to one layer's decode step beyond
-``DynamicCache``'s, per retention on native storage: the sliding window and the full cache (pre-sized
-or growing) write the token and advance one device counter; the sink retention also re-rotates
-its sinks by the evictions so far (cos and sin of one angle per dim, one multiply-add)."""
+``DynamicCache``'s, on native storage: the sliding window and the full cache (pre-sized or growing)
+write the token and advance one device counter; the sink retention also re-rotates its sinks' keys
+by the evictions so far and writes them (one multiply-add; cos and sin of one angle per dim are
+computed by the first layer and reused by the others, as layer 1 here does); KNorm writes the
+token, its position and its score (the key's norm) and picks the next slot to free."""
 
 
 @torch.no_grad()
@@ -102,8 +104,10 @@ def added_ops(spec: str, context: int = 96) -> int:
     return step_ops(model, from_spec(model, spec), context, True) - step_ops(model, DynamicCache(config=model.config), context, True)
 
 
-@pytest.mark.parametrize("spec", ["window:window=32", "full", "full:max_length=128", "sink:sink_tokens=4,window=28"])
-def test_ring_and_full_steps_stay_within_their_operation_budget(spec, one_thread):
+@pytest.mark.parametrize(
+    "spec", ["window:window=32", "full", "full:max_length=128", "sink:sink_tokens=4,window=28", "knorm:budget=32,recent=8"]
+)
+def test_steps_stay_within_their_operation_budget(spec, one_thread):
     name = spec.partition(":")[0]
     assert added_ops(spec) <= OWN_STEP_BUDGET[name], spec
 

@@ -46,6 +46,9 @@ class FakeFP8Storage(NativeStorage):
     def write(self, slots, keys, values) -> None:
         super().write(slots, fake_quantised(E4M3, keys), fake_quantised(E4M3, values))
 
+    def rewrite_keys_static(self, slots, keys, values) -> None:
+        super().rewrite_keys_static(slots, fake_quantised(E4M3, keys), values)
+
     def as_written(self, keys, values):
         return fake_quantised(E4M3, keys), fake_quantised(E4M3, values)
 

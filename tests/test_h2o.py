@@ -261,8 +261,9 @@ def test_memory_counts_scores_and_positions_and_is_constant():
     cache = H2OCache(model, heavy=6, recent=4)
     prefill_then_decode(model, random_ids(2, 30), cache, prefill=8)
     slots, batch, heads = 11, 2, 2
-    # keys and values, each slot's position and score, each head's free slot, each row's first real position
-    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8
+    # keys and values, each slot's position and score, each head's free slot, each row's first real
+    # position, and the row and head indices of the storage's per-slot writes
+    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8 + (batch + heads) * 8
     assert cache.get_memory_footprint() == 2 * per_layer
     prefill_then_decode(model, random_ids(2, 60), cache, prefill=1)
     assert cache.get_memory_footprint() == 2 * per_layer

@@ -146,8 +146,9 @@ def test_memory_is_the_budget_and_the_reconstruction_is_not_kept(one_thread):
     with torch.no_grad():
         model(random_ids(2, 120), cache=cache)
     slots, batch, heads = BUDGET + 1, 2, 2
-    # keys and values, each slot's position and score, each head's free slot, each row's first real position
-    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8
+    # keys and values, each slot's position and score, each head's free slot, each row's first real
+    # position, and the row and head indices of the storage's per-slot writes
+    per_layer = 2 * batch * heads * 16 * slots * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8 + (batch + heads) * 8
     assert cache.get_memory_footprint() == 2 * per_layer
     assert all(layer.retention.pending is None for layer in cache.layers)  # the 120-token prompt is freed
     assert cache.get_seq_length() == 120 and cache.kept_tokens() == BUDGET  # no reconstruction token counted

@@ -34,11 +34,13 @@ def test_adaptive_budgets_by_hand():
 
 def footprint_by_hand(budgets, batch=1, heads=2, head_dim=16, history=0):
     """Native fp32 keys and values, int64 positions, fp32 scores, the int64 free slot, each row's
-    int64 first real position and SnapKV's fp32 window history, for ``budget + 1`` slots per layer."""
+    int64 first real position, the int64 row and head indices of the storage's per-slot writes and
+    SnapKV's fp32 window history, for ``budget + 1`` slots per layer."""
     total = 0
     for budget in budgets:
         slots = budget + 1
         total += 2 * batch * heads * slots * head_dim * 4 + batch * heads * slots * (8 + 4) + batch * heads * 8 + batch * 8
+        total += (batch + heads) * 8
         total += batch * heads * history * slots * 4
     return total
 

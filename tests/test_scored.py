@@ -81,9 +81,9 @@ class KNormRule:
 
 
 def significant(value: float, bits: int) -> float:
-    """``value`` rounded to ``bits`` significant bits (half to even, as Python's ``round``)."""
+    """``value`` rounded to ``bits`` significant bits, half away from zero."""
     mantissa, exponent = math.frexp(value)
-    return math.ldexp(round(mantissa * 2**bits) / 2**bits, exponent)
+    return math.ldexp(math.copysign(math.floor(abs(mantissa) * 2**bits + 0.5), mantissa) / 2**bits, exponent)
 
 
 def is_protected(rule, position: int, stop: int) -> bool:

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from ..cache import PolicyCache
 from ..model_layout import LayerLayout
 from ..retention import RingRetention
-from ..retention.sink import SinkRetention
+from ..retention.sink import SharedRotation, SinkRetention
 from ..rope import Rotary, rotary_of
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
@@ -53,7 +53,8 @@ class SinkCache(PolicyCache):
         window = check_int("window", window, minimum=1)
         check_choice("positions", positions, POSITIONS)
         self.sink_tokens, self.window, self.positions = sink_tokens, window, positions
-        rotaries: dict[str, Rotary] = {}  # one per layer type, shared so a step's cos/sin is computed once
+        rotaries: dict[str, Rotary] = {}  # one per layer type
+        shared: dict[str, SharedRotation] = {}  # one per layer type: a step's cos/sin is computed once
 
         def retention(layout: LayerLayout) -> RingRetention:
             if sink_tokens == 0:
@@ -63,7 +64,7 @@ class SinkCache(PolicyCache):
                 if layout.layer_type not in rotaries:
                     rotaries[layout.layer_type] = rotary_of(model, layout.layer_type)
                 rotary = rotaries[layout.layer_type]
-            return SinkRetention(window, sink_tokens, rotary)
+            return SinkRetention(window, sink_tokens, rotary, shared.setdefault(layout.layer_type, SharedRotation()))
 
         super().__init__(model, retention, storage=storage)
 

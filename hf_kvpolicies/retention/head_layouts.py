@@ -92,7 +92,8 @@ class HeadLayout(ABC):
 
     @abstractmethod
     def static_step(self, r, storage: Storage, keys, values, query, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`step` with fixed shapes and no host state (the retention then advances its counts)."""
+        """:meth:`step` with fixed shapes and no host state; it advances the retention's counts
+        (``_static_done``) once the step is scored, so that ranking reads the advanced device count."""
 
     def __repr__(self) -> str:
         return self.name
@@ -129,10 +130,14 @@ class PerHead(HeadLayout):
             r.scores.copy_(scores)
         # the lowest is used only once every slot is in use (before, the next slot is the append),
         # so no empty slot needs ranking last
-        following = r.seen_t + 1
+        r._static_done(storage)
+        following = r.seen_t  # the device count, advanced: tokens seen after this step
         ranked = r.ranking(r.positions, r.scores, following)
-        lowest = r.lowest(r.positions, ranked, following, every_slot_held=True)
-        r.free.copy_(lowest if filled else torch.where(r.live_t >= slots, lowest, r.live_t))
+        if filled:
+            r.lowest(r.positions, ranked, following, every_slot_held=True, out=r.free)
+        else:
+            lowest = r.lowest(r.positions, ranked, following, every_slot_held=True)
+            r.free.copy_(torch.where(r.live_t >= slots, lowest, r.live_t))
         return all_keys, all_values
 
     def plan(self, r, q: int) -> SlotIndex | None:
@@ -331,7 +336,8 @@ class PooledHeads(HeadLayout):
         scores = r.score(seen, r.scores, r.extra)
         if scores is not r.scores:  # a statistic that updated them in place returns them
             r.scores.copy_(scores)
-        following = r.seen_t + 1
+        r._static_done(storage)
+        following = r.seen_t  # the device count, advanced: tokens seen after this step
         ranked = r.evictable(r.positions, r.ranking(r.positions, r.scores, following), following, real=real)
         victims = pooled_victims(r.positions, ranked, heads).unsqueeze(-1)  # victim i: head i's next slot
         freed = r.positions.scatter(-1, victims.view(batch, 1, heads).expand(batch, heads, heads), -1)

@@ -337,6 +337,7 @@ class ScoredRetention(Retention):
         return (self.positions >= 0).scatter_(-1, self.free, True)
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        storage.prepare_row_writes()
         self.live_t = torch.full((), self.live, dtype=torch.long, device=storage.device)
         if not self.has_free and not self.layout.pooled:
             self.free.fill_(self.live)  # while the slots fill, the next one is the append
@@ -352,10 +353,9 @@ class ScoredRetention(Retention):
             t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), slot.shape[-1]).expand(*t.shape[:-1], slot.shape[-1]), 0.0)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layout's static step (:meth:`HeadLayout.static_step`), then the counts advance."""
+        """The layout's static step (:meth:`HeadLayout.static_step`, which advances the counts)."""
         query, scaling = self._checked_query(query, 1)
         returned = self.layout.static_step(self, storage, keys, values, query, scaling)
-        self._static_done(storage)
         if not torch.compiler.is_compiling():
             self.has_free = self.live >= storage.capacity
         return returned
@@ -413,14 +413,20 @@ class ScoredRetention(Retention):
         self.seen += q
 
     def lowest(
-        self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None, every_slot_held: bool = False
+        self,
+        positions: torch.Tensor,
+        scores: torch.Tensor,
+        seen: int | torch.Tensor | None = None,
+        every_slot_held: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties."""
+        """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties
+        (written into ``out`` where given)."""
         ranked = self.evictable(positions, scores, seen, every_slot_held=every_slot_held)
         if self.row_budgets is not None:  # a row's unused slots never take a token
             ranked = ranked.masked_fill(positions == UNUSED, float("inf"))
-        lowest = ranked == ranked.amin(dim=-1, keepdim=True)
-        return torch.where(lowest, positions, torch.iinfo(positions.dtype).max).argmin(dim=-1, keepdim=True)
+        above = ranked != ranked.amin(dim=-1, keepdim=True)
+        return torch.argmin(positions.masked_fill(above, torch.iinfo(positions.dtype).max), dim=-1, keepdim=True, out=out)
 
     def best_first(self, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Indices of the tokens in the order they stay: the protected ones, then the best scores,

@@ -3,6 +3,7 @@ and how a statistic makes copies of one token score alike (:func:`rounded`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,8 @@ class Attended:
         if isinstance(self.new_slots, int):
             target[..., self.new_slots : self.new_slots + values.shape[-1]] = values
             return target
+        if self.new_slots.shape[:-1] == target.shape[:-1]:  # per-slot scores: the slots are the index
+            return target.scatter_(-1, self.new_slots, values)
         index = self.new_slots.view(*self.new_slots.shape[:2], *[1] * (target.dim() - 3), -1)
         return target.scatter_(-1, index.expand(*target.shape[:-1], index.shape[-1]), values)
 
@@ -87,7 +90,8 @@ SCORE_BITS = 12
 
 
 def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
-    """``scores`` rounded to ``bits`` significant bits (half to even), exactly, in their own dtype.
+    """``scores`` rounded to ``bits`` significant bits (half away from zero), exactly, in their own
+    dtype; a format with no more significant bits is returned as it is.
 
     A statistic of a key alone (its norm, its direction) is the same for copies of one token in
     exact arithmetic (a generation loop repeats a token; the first layer's keys are a projection
@@ -95,6 +99,16 @@ def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
     position's rotation and the batch's shape (a projection of 3 rows rounds differently from one
     of 1). Unrounded, such ties are broken by that noise, so a row of a padded batch would keep
     other copies than the row alone; rounded, they are exact ties, which the shared rule breaks by
-    age (the oldest copy goes first)."""
-    mantissa, exponent = torch.frexp(scores)
-    return torch.ldexp(torch.round(mantissa * 2.0**bits) / 2.0**bits, exponent)
+    age (the oldest copy goes first).
+
+    Two integer operations on the bits (half a unit of the last kept bit added, the bits below it
+    cleared; a carry into the exponent is the round up to the next power of two): a decode step
+    pays for every operation. Subnormal scores keep fewer significant bits."""
+    drop = round(-math.log2(torch.finfo(scores.dtype).eps)) + 1 - bits  # significant bits beyond ``bits``
+    if drop <= 0:
+        return scores
+    as_int = _SAME_WIDTH_INT[scores.element_size()]
+    return ((scores.view(as_int) + (1 << (drop - 1))) & -(1 << drop)).view(scores.dtype)
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -8,7 +8,9 @@ Two things a plain ring with ``sinks > 0`` does not do:
   tokens the forward's keys leave out (evicted so far), puts sink ``i`` at ``i + e``, just
   before the oldest window token, while every window distance stays true. Each step rotates
   the ``sinks`` keys from a copy taken as they arrived (never a rotated key rotated again, so
-  no rounding piles up over a long stream) and writes them through the storage: O(sinks).
+  no rounding piles up over a long stream) and writes them through the storage: O(sinks). Every
+  layer of a type has seen the same tokens, so a static step's rotation is the same in each: the
+  first layer computes its cos and sin and the others reuse them (:class:`SharedRotation`).
 * **Padded rows.** The sinks are each row's first ``sinks`` *real* tokens, so a left-padded row
   keeps what it would keep alone. The ring is shared by all rows (it evicts by position, which
   is already right for every row); a row with ``p`` leading pads has pads in its first
@@ -27,13 +29,34 @@ from ..storage import Storage
 from .window import RingRetention
 
 
+class SharedRotation:
+    """A static step's sink rotation (cos and sin of the evictions so far), computed by the first
+    sink layer of a layer type (its leader, the first to join) and reused by the later ones in the
+    same forward. The leader clears it in every forward that is not a static step, so a later layer
+    never reads a rotation from another step."""
+
+    def __init__(self) -> None:
+        self.leader: SinkRetention | None = None
+        self.cos_sin: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        """``(ring capacity, cos, sin)`` of this step, once the leader has taken it."""
+
+    def join(self, retention: SinkRetention) -> bool:
+        """Register a layer's retention (in layer order); whether it leads."""
+        if self.leader is None:
+            self.leader = retention
+        return self.leader is retention
+
+
 class SinkRetention(RingRetention):
     """``sinks`` first real tokens per row plus the ``window`` most recent, optionally re-rotated."""
 
-    def __init__(self, window: int, sinks: int, rotary: Rotary | None = None) -> None:
-        """``rotary``: re-rotate the sinks to in-cache positions with it; ``None`` keeps absolute positions."""
+    def __init__(self, window: int, sinks: int, rotary: Rotary | None = None, shared: SharedRotation | None = None) -> None:
+        """``rotary``: re-rotate the sinks to in-cache positions with it; ``None`` keeps absolute
+        positions. ``shared``: the rotation shared with the other layers of this type."""
         super().__init__(window, sinks=sinks)
         self.rotary = rotary
+        self.shared = shared or SharedRotation()
+        self.leads = self.shared.join(self)
         self.pads: torch.Tensor | None = None
         """Leading pads per row (``LongTensor[batch]`` on the CPU), once a padded batch was seen."""
         self.sink_keys: torch.Tensor | None = None
@@ -59,6 +82,8 @@ class SinkRetention(RingRetention):
             self.pads = (padding.cumsum(-1) == 0).sum(-1).cpu()
             self._padded = bool(self.pads.any())
             self._pins_end = int(self.pads.max()) + self.sinks  # a row's displaced sinks end at pads + sinks
+        if self.leads:
+            self.shared.cos_sin = None  # not a static step: no layer reuses a rotation in this forward
         if not self._tracking:
             return super().update(storage, keys, values, padding, query)
         q = keys.shape[-2]
@@ -83,15 +108,27 @@ class SinkRetention(RingRetention):
         return super()._enter_static(storage)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """In-cache positions: the sinks are rewritten every step, rotated by the evictions so far
-        (a device offset: cos and sin built on the device, applied elementwise to the sinks as they
-        arrived and their ``rotate_half``, taken once when static steps began)."""
+        """In-cache positions: the sinks' keys are rewritten every step, rotated by the evictions so
+        far (a device offset: cos and sin built on the device, or taken from the layer type's
+        leader, applied elementwise to the sinks as they arrived and their ``rotate_half``, taken
+        once when static steps began); their values stay as they are."""
         if self.rotary is not None:
-            evicted = (self.seen_t + (1 - self.ring_capacity)).clamp_(min=0)
-            cos, sin = self.rotary.cos_sin(evicted, self.sink_keys.shape[-1])
+            cos, sin = self._step_rotation()
             sink_keys = torch.addcmul(self.sink_keys * cos, self._sink_turned, sin).to(self.sink_values.dtype)
-            storage.rewrite_static(self._sink_slots, sink_keys, self.sink_values)
+            storage.rewrite_keys_static(self._sink_slots, sink_keys, self.sink_values)
         return super().static_step(storage, keys, values, query)
+
+    def _step_rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cos and sin of this static step's rotation: the leader's where it has taken one for a
+        ring of this size, else computed (and, by the leader, shared)."""
+        shared = self.shared.cos_sin
+        if not self.leads and shared is not None and shared[0] == self.ring_capacity:
+            return shared[1], shared[2]
+        evicted = (self.seen_t + (1 - self.ring_capacity)).clamp_(min=0)
+        cos, sin = self.rotary.cos_sin(evicted, self.sink_keys.shape[-1])
+        if self.leads:
+            self.shared.cos_sin = (self.ring_capacity, cos, sin)
+        return cos, sin
 
     def _leave_static(self, storage: Storage, steps: int) -> None:
         super()._leave_static(storage, steps)
@@ -124,6 +161,8 @@ class SinkRetention(RingRetention):
 
     def reset(self) -> None:
         super().reset()
+        if self.leads:
+            self.shared.cos_sin = None
         self.pads = self.sink_keys = self.sink_values = self._sink_turned = None
         self._padded, self._pins_end, self._stale, self._offset = False, 0, False, 0
 

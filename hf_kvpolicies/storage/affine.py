@@ -155,5 +155,7 @@ def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     source = packed.view(torch.int32) if words else packed
     mask = ((1 << bits) - 1) * (0x01010101 if words else 1)  # the byte mask repeated in each byte of a word
     planes = [source & mask] + [(source >> plane * bits) & mask for plane in range(1, per)]
-    out = torch.cat([plane.view(torch.uint8) for plane in planes] if words else planes, dim=-1)
+    out = torch.cat(planes, dim=-1)  # words side by side are their bytes side by side
+    if words:
+        out = out.view(torch.uint8)
     return out if out.shape[-1] == width else out[..., :width]

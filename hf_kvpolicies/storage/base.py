@@ -104,6 +104,10 @@ class Storage(ABC):
         """The persistent tensors a static step writes in place."""
         return []
 
+    def prepare_row_writes(self) -> None:
+        """Static steps will write slots chosen per row and head: build, eagerly, what such writes
+        reuse at every step (nothing, unless a storage says otherwise)."""
+
     def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """:meth:`write` to device ``slots`` (``[q]`` shared, or ``[batch, heads, q]``) with no host state."""
         self.write(slots, keys, values)
@@ -111,6 +115,11 @@ class Storage(ABC):
     def rewrite_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """:meth:`rewrite` in a static step: new content for kept tokens, no new token."""
         self.write_static(slots, keys, values)
+
+    def rewrite_keys_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`rewrite_static` where only the keys are new (``values``: what the slots hold): a
+        storage that holds keys apart from values writes the keys alone."""
+        self.rewrite_static(slots, keys, values)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot (the whole fixed-shape buffer), in the model's dtype."""
@@ -142,3 +151,23 @@ def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         slots = slots.view(1, 1, -1)
     batch, heads, _, head_dim = like.shape
     return slots.unsqueeze(-1).expand(batch, heads, slots.shape[-1], head_dim)
+
+
+def take(tensor: torch.Tensor, slots: SlotIndex, count: int = 0) -> torch.Tensor:
+    """``tensor`` (``[batch, heads, slots, *]``) at ``slots``: ``count`` from an ``int`` start, a
+    ``LongTensor[n]`` shared by every row, or ``[batch, heads, n]`` per row and head."""
+    if isinstance(slots, int):
+        return tensor[:, :, slots : slots + count]
+    if slots.dim() == 1:
+        return tensor.index_select(2, slots)
+    return tensor.gather(2, expand_slots(slots, tensor))
+
+
+def put(tensor: torch.Tensor, slots: SlotIndex, content: torch.Tensor) -> None:
+    """Write ``content`` (``[batch, heads, q, *]``) into ``tensor`` at ``slots`` (as :func:`take`)."""
+    if isinstance(slots, int):
+        tensor[:, :, slots : slots + content.shape[2]] = content
+    elif slots.dim() == 1:
+        tensor.index_copy_(2, slots, content)
+    else:
+        tensor.scatter_(2, expand_slots(slots, content), content)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SlotIndex, Storage, allocated, expand_slots
+from .base import SlotIndex, Storage, allocated, expand_slots, put
 
 
 class NativeStorage(Storage):
@@ -15,6 +15,10 @@ class NativeStorage(Storage):
         super().__init__()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._rows_heads: tuple[torch.Tensor, torch.Tensor] | None = None
+        """``[batch, 1, 1]`` and ``[1, heads, 1]`` aranges: with per-row slots ``[batch, heads, q]``,
+        the index of one ``index_put_`` per tensor (built before static steps or at the first such
+        write, not at every write; counted in :attr:`nbytes`)."""
 
     def allocate(self, like: torch.Tensor, capacity: int, value_dim: int | None = None) -> None:
         batch, heads, _, head_dim = like.shape
@@ -22,6 +26,7 @@ class NativeStorage(Storage):
         keys = allocated((batch, heads, capacity, head_dim), like.dtype, like.device, what)
         values = allocated((batch, heads, capacity, value_dim or head_dim), like.dtype, like.device, "the values" + what[8:])
         self.dtype, self.device, self.capacity, self.keys, self.values = like.dtype, like.device, capacity, keys, values
+        self._rows_heads = None
 
     @property
     def rows(self) -> int:
@@ -43,10 +48,10 @@ class NativeStorage(Storage):
         elif slots.dim() == 1:
             self.keys.index_copy_(2, slots, keys)
             self.values.index_copy_(2, slots, values)
-        else:  # one index where keys and values are as wide (multi-head latent attention: keys wider)
-            index = expand_slots(slots, keys)
-            self.keys.scatter_(2, index, keys)
-            self.values.scatter_(2, index if values.shape[-1] == keys.shape[-1] else expand_slots(slots, values), values)
+        else:  # per row and head: one indexed write each, whatever the widths
+            index = (*self._index_rows_heads(), slots)
+            self.keys.index_put_(index, keys)
+            self.values.index_put_(index, values)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]
@@ -60,9 +65,23 @@ class NativeStorage(Storage):
         batch_index = batch_index.to(self.keys.device)
         self.keys = self.keys.index_select(0, batch_index)
         self.values = self.values.index_select(0, batch_index)
+        self._rows_heads = None
 
     def static_tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
+
+    def prepare_row_writes(self) -> None:
+        self._index_rows_heads()
+
+    def _index_rows_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows_heads is None:
+            batch, heads = self.keys.shape[:2]
+            device = self.keys.device
+            self._rows_heads = (torch.arange(batch, device=device).view(batch, 1, 1), torch.arange(heads, device=device).view(1, heads, 1))
+        return self._rows_heads
+
+    def rewrite_keys_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        put(self.keys, slots, keys)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
@@ -71,7 +90,8 @@ class NativeStorage(Storage):
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        index = 0 if self._rows_heads is None else sum(t.nbytes for t in self._rows_heads)
+        return self.keys.nbytes + self.values.nbytes + index
 
     def bytes_held(self, tokens: int) -> int:
         if self.keys is None:

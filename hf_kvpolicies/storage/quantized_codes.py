@@ -30,27 +30,7 @@ from __future__ import annotations
 import torch
 
 from .affine import affine_parameters, decode, decode_groups, encode, pack, packed_width, quantise_groups, unpack
-from .base import SlotIndex, allocated, expand_slots
-
-
-def take(tensor: torch.Tensor, slots: SlotIndex, count: int = 0) -> torch.Tensor:
-    """``tensor`` (``[batch, heads, slots, *]``) at ``slots``: ``count`` from an ``int`` start, a
-    ``LongTensor[n]`` shared by every row, or ``[batch, heads, n]`` per row and head."""
-    if isinstance(slots, int):
-        return tensor[:, :, slots : slots + count]
-    if slots.dim() == 1:
-        return tensor.index_select(2, slots)
-    return tensor.gather(2, expand_slots(slots, tensor))
-
-
-def put(tensor: torch.Tensor, slots: SlotIndex, content: torch.Tensor) -> None:
-    """Write ``content`` (``[batch, heads, q, *]``) into ``tensor`` at ``slots`` (as :func:`take`)."""
-    if isinstance(slots, int):
-        tensor[:, :, slots : slots + content.shape[2]] = content
-    elif slots.dim() == 1:
-        tensor.index_copy_(2, slots, content)
-    else:
-        tensor.scatter_(2, expand_slots(slots, content), content)
+from .base import SlotIndex, allocated, expand_slots, put, take
 
 
 class TokenCodes:
