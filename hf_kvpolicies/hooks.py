@@ -21,8 +21,9 @@ Where a layer's statistic computes the softmax probabilities of every query of a
 every key attention sees (H2O, KVzip after its reconstruction), ``computes_attention(layer_idx)``
 (asked on forwards of several tokens only) lets it compute attention's output from them as well:
 the module's attention then runs :func:`shared_attention`, which returns
-``attention_output(layer_idx)`` instead of computing the softmax a second time (the module's configured implementation is swapped in the module's pre-hook,
-after the forward's masks are built, and back as the function is called).
+``attention_output(layer_idx)`` instead of computing the softmax a second time (the module's
+configured implementation is swapped in the module's pre-hook, after the forward's masks are
+built, and back as the function is called).
 
 Any other cache (``DynamicCache``, a cache given to another model) meets hooks that return after
 one check: the model's own outputs are unchanged. The attention-module hooks are installed only

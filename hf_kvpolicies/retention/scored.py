@@ -49,7 +49,7 @@ from ..storage.base import SlotIndex
 from .base import Retention
 from .chunks import chunk_ranking
 from .head_layouts import UNUSED, HeadLayout, PerHead
-from .scoring import Attended, Pending
+from .scoring import Attended, Pending, slot_index
 
 LayerBudget = Callable[[int, int], int]
 """Maps ``(uniform budget, protected)`` to a layer's own budget (PyramidKV's shares)."""
@@ -346,11 +346,13 @@ class ScoredRetention(Retention):
     def zero_new_state(self, slot: torch.Tensor) -> None:
         """Zero the scores and per-slot state at ``slot`` (``[batch, kv_heads, n]``) for the new
         tokens, unless the statistic sets them itself."""
-        if self.sets_new_state:
-            return
-        self.scores.scatter_(-1, slot, 0.0)
-        for t in self.extra.values():
-            t.scatter_(-1, slot.view(*slot.shape[:2], *[1] * (t.dim() - 3), slot.shape[-1]).expand(*t.shape[:-1], slot.shape[-1]), 0.0)
+        if not self.sets_new_state:
+            self._zero_state(slot)
+
+    def _zero_state(self, slots: torch.Tensor) -> None:
+        """Scores and per-slot state zeroed at ``slots`` (``[batch, kv_heads, n]``)."""
+        for t in (self.scores, *self.extra.values()):
+            t.scatter_(-1, slot_index(slots, t), 0.0)
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layout's static step (:meth:`HeadLayout.static_step`, which advances the counts)."""
@@ -406,10 +408,7 @@ class ScoredRetention(Retention):
             self.live = max(self.live, end)
         else:
             self.positions.scatter_(-1, slots, new_positions)
-            self.scores.scatter_(-1, slots, 0.0)
-            for t in self.extra.values():
-                index = slots.view(*slots.shape[:2], *[1] * (t.dim() - 3), 1).expand(*t.shape[:-1], 1)
-                t.scatter_(-1, index, 0.0)
+            self._zero_state(slots)
         self.seen += q
 
     def lowest(

@@ -60,10 +60,17 @@ class Attended:
         if isinstance(self.new_slots, int):
             target[..., self.new_slots : self.new_slots + values.shape[-1]] = values
             return target
-        if self.new_slots.shape[:-1] == target.shape[:-1]:  # per-slot scores: the slots are the index
-            return target.scatter_(-1, self.new_slots, values)
-        index = self.new_slots.view(*self.new_slots.shape[:2], *[1] * (target.dim() - 3), -1)
-        return target.scatter_(-1, index.expand(*target.shape[:-1], index.shape[-1]), values)
+        return target.scatter_(-1, slot_index(self.new_slots, target), values)
+
+
+def slot_index(slots: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``slots`` (``[batch, kv_heads, n]``) as the last-axis scatter index of ``target``
+    (``[batch, kv_heads, ..., k]``: scores, positions or per-slot state); for per-slot tensors the
+    slots themselves (a decode step pays for every view)."""
+    if slots.shape[:-1] == target.shape[:-1]:
+        return slots
+    index = slots.view(*slots.shape[:2], *[1] * (target.dim() - 3), -1)
+    return index.expand(*target.shape[:-1], index.shape[-1])
 
 
 @dataclass
