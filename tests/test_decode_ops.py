@@ -149,3 +149,16 @@ def test_fp8_storage_adds_at_most_its_budget_to_the_full_cache_step(one_thread):
     batches = [e for e in extra if e > FP8_EXTRA]
     assert len(batches) <= steps // cycle, extra
     assert sum(extra) / len(extra) <= FP8_EXTRA, extra
+
+
+STATIC_FP8_EXTRA = 60
+"""What fp8 storage may add to a static decode step of a ring or a pre-sized full cache beyond
+native storage's, every operation counted: the token quantised and written with its scales, its
+native copy pushed into the residual (no refresh and no push decision: those slots are never
+shadowed, proven when static steps begin), the payload decoded and the residual laid over it."""
+
+
+@pytest.mark.parametrize("spec", ["window:window=32", "full:max_length=128"])
+def test_fp8_static_steps_add_at_most_their_budget(spec, one_thread):
+    fp8 = added_ops(f"{spec},storage=fp8:residual=8")
+    assert fp8 - added_ops(spec) <= STATIC_FP8_EXTRA, (spec, fp8)

@@ -268,7 +268,7 @@ class Retention(ABC):
         seen_t = self.counts.enter(storage.device)
         for tensor in [seen_t, *self._enter_static(storage)]:
             torch._dynamo.mark_static_address(tensor)
-        storage.enter_static()
+        storage.enter_static(self.static_write_slots if self.writes_shared_slots else None)
 
     def static_step(
         self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query: tuple[torch.Tensor, float] | None = None
@@ -286,6 +286,14 @@ class Retention(ABC):
     def slots_per_step(self) -> int:
         """Slots a static step takes while the buffer fills (one token each, by default)."""
         return 1
+
+    writes_shared_slots = False
+    """Whether static steps write one slot that every row and head share, which
+    :meth:`static_write_slots` names (an append's, a ring's), rather than slots chosen per row."""
+
+    def static_write_slots(self, steps: int) -> list[int]:
+        """The slots the next ``steps`` static steps write (where :attr:`writes_shared_slots`)."""
+        raise NotImplementedError(f"{type(self).__name__}'s static steps choose their slots per row and head")
 
     def static_visible(self) -> torch.Tensor | None:
         """``[batch, kv_heads, slots]``: the slots the next static step shows its query, where the

@@ -53,6 +53,12 @@ class FullRetention(Retention):
     def static_ready(self, storage: Storage) -> bool:
         return self.limit is not None and storage.is_allocated
 
+    writes_shared_slots = True
+
+    def static_write_slots(self, steps: int) -> list[int]:
+        """Appends: the slots after the last token."""
+        return list(range(self.seen, self.seen + steps))
+
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to slot ``seen``, as in ``StaticCache``."""
         if not torch.compiler.is_compiling() and self.live >= self.limit:

@@ -142,6 +142,13 @@ class RingRetention(Retention):
         self._entry_next = self._next
         return [self._slot_t]
 
+    writes_shared_slots = True
+
+    def static_write_slots(self, steps: int) -> list[int]:
+        """From ``_next`` on, wrapping to the first ring slot after the last (as :meth:`static_step`)."""
+        ring = self.ring_capacity - self.sinks
+        return [self.sinks + (self._next - self.sinks + step) % ring for step in range(steps)]
+
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to ``_next`` (an append while the ring fills, then the slot of the token
         leaving the window), which then moves on in place, wrapping to the first ring slot."""

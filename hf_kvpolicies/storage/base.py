@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 SlotIndex = int | torch.Tensor
 """Where to write: an ``int`` start slot (contiguous run), a ``LongTensor[q]`` shared by every
 row and head, or a ``LongTensor[batch, kv_heads, q]`` chosen per row and head."""
+
+UpcomingSlots = Callable[[int], list[int]]
+"""``upcoming(n)``: the slots the next ``n`` static steps write, in order, one token each and
+shared by every row and head, known on the host when static steps begin: an append's (rising) or a
+ring's (repeating with the ring's period), so the first ``n`` tell whether any ``n`` in a row repeat."""
 
 
 class Storage(ABC):
@@ -94,9 +100,11 @@ class Storage(ABC):
     compileable = True
     """True when :meth:`write_static`/:meth:`read_static` keep every per-step state on the device."""
 
-    def enter_static(self) -> None:
+    def enter_static(self, upcoming: UpcomingSlots | None = None) -> None:
         """Static decode steps follow (called eagerly, outside any compiled region): the tensors
-        they mutate get fixed addresses, so a compiled step (and CUDA graphs) can reuse them."""
+        they mutate get fixed addresses, so a compiled step (and CUDA graphs) can reuse them.
+        ``upcoming``: where the retention knows them, the slots its static steps will write (a
+        storage with a native residual proves from them that no write lands on a shadowed slot)."""
         for tensor in self.static_tensors():
             torch._dynamo.mark_static_address(tensor)
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validation import check_int
-from .base import SlotIndex, Storage, allocated, expand_slots
+from .base import SlotIndex, Storage, UpcomingSlots, allocated, expand_slots
 from .residual import NativeResidual, PendingTokens
 
 DEFAULT_RESIDUAL = 32
@@ -328,9 +328,9 @@ class FP8Storage(Storage):
         return held + self.ring.bytes_held(tokens)
 
     # --- the static decode step ----------------------------------------------------------
-    def enter_static(self) -> None:
+    def enter_static(self, upcoming: UpcomingSlots | None = None) -> None:
         self._pending.settle(self.ring, self._encode)
-        self.ring.enter_static(self.device)
+        self.ring.enter_static(self.device, upcoming)
         super().enter_static()
 
     def static_tensors(self) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 
 from ..validation import check_choice, check_int
 from .affine import BITS, round_trip, scale_dtype
-from .base import SlotIndex, Storage
+from .base import SlotIndex, Storage, UpcomingSlots
 from .quantized_codes import ChannelCodes, TokenCodes
 from .residual import Departed, NativeResidual, PendingTokens
 
@@ -295,9 +295,9 @@ class QuantizedStorage(Storage):
         return keys + tokens * self.values.slot_bytes() + self.ring.bytes_held(tokens)
 
     # --- the static decode step ----------------------------------------------------------
-    def enter_static(self) -> None:
+    def enter_static(self, upcoming: UpcomingSlots | None = None) -> None:
         self._pending.settle(self.ring, self._encode_pending)
-        self.ring.enter_static(self.device)
+        self.ring.enter_static(self.device, upcoming)
         super().enter_static()
 
     def static_tensors(self) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import SlotIndex, allocated, expand_slots
+from .base import SlotIndex, UpcomingSlots, allocated, expand_slots
 
 
 @dataclass
@@ -64,6 +64,9 @@ class NativeResidual:
         self._ring: torch.Tensor | None = None
         """Static steps: the device copy of ``_next`` (0-d long), advanced in place."""
         self._push_always = False  # static steps: push every write (as after per-row writes)
+        self._unshadowed = False
+        """Static steps: no write lands on a slot an entry shadows (:meth:`enter_static` proved it),
+        so a write neither refreshes nor decides whether to push: it pushes."""
         self._paired: tuple[torch.Tensor, torch.Tensor] | None = None
         """Views of ``slots`` and ``values`` shaped for a paired read's scatter (:meth:`overlay`), made
         once per tensor (keys and values equally wide)."""
@@ -215,11 +218,32 @@ class NativeResidual:
         return side_by_side[..., : self.key_dim], side_by_side[..., self.key_dim :]
 
     # --- the static decode step ------------------------------------------------------------
-    def enter_static(self, device: torch.device) -> None:
+    def enter_static(self, device: torch.device, upcoming: UpcomingSlots | None = None) -> None:
+        """Static steps begin; ``upcoming`` (where the retention knows them): the slots its
+        static writes take, from which :meth:`_never_shadowed` may spare each write its
+        refresh and its push decision."""
         if self._ring is None:
             self._ring = torch.zeros((), dtype=torch.long, device=device)
         self._ring.fill_(self._next)
         self._push_always = self._shadowed is None
+        self._unshadowed = bool(self.size) and upcoming is not None and self._never_shadowed(upcoming(self.size + 1))
+
+    def _never_shadowed(self, upcoming: list[int]) -> bool:
+        """Whether static writes to ``upcoming`` (the next ``size + 1`` slots, then on with the same
+        period: a ring's or an append's) never meet an entry that shadows their slot.
+
+        Every write pushes (nothing is shadowed), so after a write the ring holds the slots of the
+        last ``size`` writes and the entries from before static steps whose turn has not come:
+        the entry ``i`` places after the next one is overwritten by write ``i``. A write meets
+        no entry iff it names none of the ``size`` writes before it (the first ``size + 1``
+        slots are distinct: a period above ``size``) and no entry it precedes shadows its slot."""
+        if self._shadowed is None or len(set(upcoming)) != len(upcoming):
+            return False
+        first = {}
+        for step, slot in enumerate(upcoming):
+            first.setdefault(slot, step)
+        entries = (self._shadowed[(self._next + offset) % self.size] for offset in range(self.size))
+        return all(first.get(slot, self.size + 1) > offset for offset, slot in enumerate(entries) if slot >= 0)
 
     def static_tensors(self) -> list[torch.Tensor]:
         return [self._ring, self.values, self.slots] if self.size else [self._ring]
@@ -232,6 +256,13 @@ class NativeResidual:
             return None
         q = fresh.shape[-2]
         written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+        if push and self._unshadowed and q == 1:  # one new token on a slot no entry shadows: pushed
+            ring = self._ring.view(1)
+            departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring)) if departures else None
+            self.values.index_copy_(2, ring, fresh)
+            self.slots.index_copy_(2, ring, written.expand(*fresh.shape[:2], 1))
+            self._ring.add_(1).remainder_(self.size)
+            return departed
         match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
         if q == 1:  # every match takes the one token
             self.values.copy_(torch.where(match, fresh, self.values))

@@ -1,0 +1,72 @@
+"""The native residual's static writes: where the retention's slots never meet a shadowed one
+(a ring longer than the residual, appends), each write pushes without the refresh and the
+push decision, and gives exactly what the checking write gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import prefill_then_decode
+from tiny_models import random_ids, tiny_llama
+
+from hf_kvpolicies import from_spec
+from hf_kvpolicies.storage.residual import NativeResidual
+
+OPTIONS = {"fp8": "residual=8", "int4": "residual=8;group_size=8"}
+"""A residual of 8 tokens (integer keys are quantised in groups no longer than the residual)."""
+
+
+@pytest.mark.parametrize("storage", list(OPTIONS))
+@pytest.mark.parametrize(
+    "spec, unshadowed",
+    [
+        ("window:window=24", True),  # the ring wraps twice in 50 steps
+        ("full:max_length=80", True),
+        ("sink:sink_tokens=2,window=22", True),  # the sinks' keys are rewritten at every step
+        ("window:window=6", False),  # a ring shorter than the residual: every write lands on a shadowed slot
+    ],
+)
+def test_unchecked_static_writes_equal_checked_ones(spec, unshadowed, storage, monkeypatch, one_thread):
+    model = tiny_llama()
+    ids = random_ids(1, 70)
+    built = f"{spec},storage={storage}:{OPTIONS[storage]}"
+
+    def decode() -> tuple[torch.Tensor, list[bool]]:
+        cache = from_spec(model, built)
+        with torch.no_grad():
+            logits = prefill_then_decode(model, ids, cache, prefill=20)
+        return logits, [layer.storage.ring._unshadowed for layer in cache.layers]
+
+    logits, proven = decode()
+    assert proven == [unshadowed] * len(proven)
+    monkeypatch.setattr(NativeResidual, "_never_shadowed", lambda self, upcoming: False)
+    checked, proven = decode()
+    assert not any(proven)
+    assert torch.equal(logits, checked)
+
+
+def residual_holding(slots: list[int], size: int = 4) -> NativeResidual:
+    """A residual whose entries shadow ``slots`` (written in that order, as int appends)."""
+    ring = NativeResidual(size)
+    ring.allocate(1, 1, 2, 2, torch.float32, torch.device("cpu"))
+    for slot in slots:
+        ring.note(slot, torch.zeros(1, 1, 1, 4), capacity=64)
+    return ring
+
+
+@pytest.mark.parametrize(
+    "held, upcoming, never",
+    [
+        ([10, 11, 12, 13], [14, 15, 16, 17, 18], True),  # appends after the shadowed slots
+        ([10, 11, 12, 13], [0, 1, 2, 3, 4], True),  # a ring of at least 5 slots that wrapped
+        ([10, 11, 12, 13], [0, 1, 2, 3, 0], False),  # a ring of 4 slots: write 4 meets write 0's entry
+        ([10, 11, 12, 13], [11, 0, 1, 2, 3], False),  # write 0 meets the entry of slot 11 (overwritten by write 1)
+        ([10, 11, 12, 13], [0, 1, 12, 2, 3], False),  # write 2 meets slot 12's entry before its push overwrites it
+        ([10, 11, 12, 13], [0, 10, 1, 2, 3], True),  # slot 10's entry was overwritten by write 0
+        ([10, 11], [11, 12, 13, 14, 15], False),  # entries in use shadow 10 and 11: write 0 meets 11
+        ([10, 11], [12, 13, 14, 15, 16], True),
+    ],
+)
+def test_a_write_is_proven_unshadowed_only_before_it_can_meet_an_entry(held, upcoming, never):
+    ring = residual_holding(held)
+    assert ring._never_shadowed(upcoming) is never
