@@ -292,6 +292,8 @@ class PolicyCache(Cache):
             )
         super().__init__(layers=layers)
         self.storage = storage
+        self.grows_between_steps = any(layer.retention.grows_between_steps for layer in layers)
+        """Whether static steps need their buffers grown before each forward (:meth:`get_mask_sizes`)."""
         self.padded: bool | None = None
         """Whether the batch is padded, read from the mask on multi-token forwards (never on a decode step)."""
         self.sizes_differ_by_layer = False
@@ -490,6 +492,10 @@ class PolicyCache(Cache):
         compile-able cache, in ``generate()`` just before it): a forward that follows without the
         announcement of the cache's model's hook comes from another model instance."""
         self._masks_built = True
+        if self.grows_between_steps and query_length == 1:
+            for layer in self.layers:  # before any layer's step, on the first mask asked for
+                if layer.retention.static:
+                    layer.retention.make_room(layer.storage, query_length)
         kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
         if self.flex_on_cpu:
             # torch 2.13's CPU flex_attention (an inductor C++ template) fails to compile once a

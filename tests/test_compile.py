@@ -191,10 +191,50 @@ def test_generate_with_a_compile_config_compiles_the_decode_step(model_name, sto
     assert 1 <= counters["stats"]["unique_graphs"] <= 2  # the decode step, traced once (a recompile at most)
 
 
+@pytest.mark.parametrize("storage", ["native", "fp8", INT_STORAGE])
+def test_generate_grows_a_full_cache_in_blocks_between_compiled_steps(storage, one_thread):
+    """generate() asks for a compiled step's masks before the step: the cache grows there by whole
+    blocks (a prompt of 12 in two blocks of 8, then five growths), each size captured again (with
+    dynamic shapes after the first), and the tokens are those of the growing full cache."""
+    model = tiny_llama()
+    prompt = random_ids(2, PROMPT, seed=6)
+    options = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    expected = model.generate(prompt, cache=FullCache(model, storage=storage), **options)
+    config = CompileConfig(backend="eager", fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    cache = FullCache(model, block=8, storage=storage)
+    assert cache.is_compileable
+    got = model.generate(prompt, cache=cache, compile_config=config, **options)
+    assert torch.equal(got, expected)
+    assert int(cache.get_seq_length()) == PROMPT + 39
+    assert {layer.storage.capacity for layer in cache.layers} == {56}  # 51 tokens in whole blocks
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3
+
+
+def test_a_full_cache_in_blocks_grows_in_eager_steps_and_refuses_to_inside_a_compiled_one(one_thread):
+    model = tiny_llama()
+    prompt = random_ids(1, PROMPT, seed=5)
+    expected = decode(model, FullCache(model), prompt, 30)
+    eager = FullCache(model, block=8)
+    assert decode(model, eager, prompt, 30) == expected  # its own loop, eager: grows before each step's masks
+    assert eager.layers[0].retention.static and eager.layers[0].storage.capacity == 48
+    cache = FullCache(model, block=16)  # the prompt fills 12 of 16 slots: 4 steps fit
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    assert decode(model, cache, prompt, 4, compiled) == [expected[0][:4]]
+    token = torch.tensor([[expected[0][3]]])
+    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match="grows only between compiled steps"), torch.no_grad():
+        compiled(input_ids=token, cache=cache, position_ids=torch.tensor([[PROMPT + 4]]))
+
+
 def test_is_compileable_exactly_where_decode_steps_are_static():
     model = tiny_llama()
     assert SlidingWindowCache(model, window=4).is_compileable
     assert FullCache(model, max_length=64).is_compileable
+    assert FullCache(model, block=64).is_compileable  # grows by blocks, between steps
+    assert FP8Cache(model, block=64).is_compileable
     assert FP8Cache(model, max_length=64).is_compileable
     assert not FullCache(model).is_compileable  # grows
     assert not FP8Cache(model).is_compileable

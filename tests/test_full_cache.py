@@ -10,7 +10,7 @@ from helpers import greedy, prefill_then_decode
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
-from hf_kvpolicies import FullCache
+from hf_kvpolicies import FP8Cache, FullCache
 
 
 def test_logits_match_dynamic_cache(tiny_model):
@@ -119,3 +119,35 @@ def test_kept_tokens_reads_the_first_governed_layer_by_default():
 def test_governed_layers_counts_the_layers_the_policy_decides():
     assert FullCache(tiny_llama()).governed_layers == len(tiny_llama().model.layers)
     assert FullCache(tiny_gemma3()).governed_layers == 1  # layers 0 and 1 slide with the model window
+
+
+def test_blocks_give_dynamic_cache_logits_and_hold_whole_blocks(tiny_model):
+    ids = random_ids(1, 48)
+    expected = prefill_then_decode(tiny_model, ids, DynamicCache(config=tiny_model.config), prefill=16)
+    cache = FullCache(tiny_model, block=10)
+    got = prefill_then_decode(tiny_model, ids, cache, prefill=16)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    grown = {layer.storage.capacity for layer in cache.layers if getattr(layer.retention, "block", None)}
+    assert grown == ({50} if not all(layout.is_sliding for layout in cache.layouts) else set())  # (all sliding: windows)
+    assert cache.get_seq_length() == 48
+
+
+def test_blocks_serve_padded_batches_and_beams(tiny_model):
+    long, short = random_ids(1, 12, seed=1), random_ids(1, 7, seed=2)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 5, dtype=torch.long), short], dim=1)])
+    mask = torch.cat([torch.ones(1, 12), torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], dim=1)]).long()
+    out = tiny_model.generate(batch, attention_mask=mask, cache=FullCache(tiny_model, block=4), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out[0, 12:], greedy(tiny_model, long, FullCache(tiny_model), 12)[0, 12:])
+    assert torch.equal(out[1, 12:], greedy(tiny_model, short, FullCache(tiny_model), 12)[0, 7:])
+    ids = random_ids(1, 10, seed=3)
+    expected = greedy(tiny_model, ids, None, 16, num_beams=2)
+    assert torch.equal(greedy(tiny_model, ids, FullCache(tiny_model, block=4), 16, num_beams=2), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message", [({"block": 0}, "block"), ({"block": 8, "max_length": 64}, "not both")]
+)
+def test_bad_blocks_are_refused(kwargs, message):
+    for make in (FullCache, FP8Cache):
+        with pytest.raises(ValueError, match=message):
+            make(tiny_llama(), **kwargs)

@@ -15,7 +15,7 @@ import torch
 from host_sync import guarded, mark
 from tiny_models import char_tokenizer, random_ids, tiny_gemma3, tiny_llama
 
-from hf_kvpolicies import available_policies
+from hf_kvpolicies import FullCache, available_policies
 from hf_kvpolicies.specs import policy_constructor
 
 BUDGET = 8
@@ -53,6 +53,23 @@ def test_decode_steps_read_nothing_back_from_the_device(name, storage, make_mode
     except ValueError as error:  # a policy that cannot serve a model refuses it at construction, naming why
         assert make_model is tiny_gemma3 and "sliding" in str(error)
         return
+    assert_decode_reads_nothing(model, cache, padded, monkeypatch)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("storage", STORAGES)
+@torch.no_grad()
+def test_a_full_cache_in_blocks_grows_without_reading_back(storage, padded, monkeypatch, one_thread):
+    """The prompt fills 14 of 16 slots: the third decode step grows the buffer by a block, from host counts."""
+    model = tiny_llama()
+    cache = FullCache(model, block=4, storage=storage)
+    assert_decode_reads_nothing(model, cache, padded, monkeypatch)
+    assert cache.layers[0].storage.capacity == 20
+
+
+def assert_decode_reads_nothing(model, cache, padded: bool, monkeypatch) -> None:
+    """A prefill of a batch of two (its second row left-padded where ``padded``), then decode steps
+    that must read nothing back from the device."""
     ids = mark(random_ids(2, PROMPT + DECODE_STEPS))
     mask = torch.ones_like(ids)
     if padded:

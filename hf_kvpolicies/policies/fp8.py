@@ -7,8 +7,8 @@ from transformers import PreTrainedModel
 
 from ..cache import PolicyCache
 from ..retention import FullRetention
+from ..retention.full import checked_sizes
 from ..storage.fp8 import DEFAULT_RESIDUAL, FP8Storage
-from ..validation import check_int
 
 
 class FP8Cache(PolicyCache):
@@ -22,7 +22,8 @@ class FP8Cache(PolicyCache):
 
     For another retention policy in fp8, pass ``storage="fp8"`` (defaults), a name with options,
     ``storage="fp8:residual=0;dtype=e5m2"``, or ``storage=FP8Storage.factory(residual=0)``.
-    ``max_length`` pre-sizes it (compile-able decode steps), as for :class:`FullCache`.
+    ``max_length`` pre-sizes it and ``block`` grows it by whole blocks (compile-able decode steps
+    either way), as for :class:`FullCache`.
     """
 
     def __init__(
@@ -31,9 +32,9 @@ class FP8Cache(PolicyCache):
         residual: int = DEFAULT_RESIDUAL,
         dtype: str | torch.dtype = "float8_e4m3fn",
         max_length: int | None = None,
+        block: int | None = None,
     ) -> None:
-        if max_length is not None:
-            max_length = check_int("max_length", max_length, minimum=1)
-        self.residual, self.fp8_dtype, self.max_length = residual, dtype, max_length
+        max_length, block = checked_sizes(max_length, block)
+        self.residual, self.fp8_dtype, self.max_length, self.block = residual, dtype, max_length, block
         storage = FP8Storage.factory(residual=residual, dtype=dtype)
-        super().__init__(model, lambda layout: FullRetention(max_length), storage=storage)
+        super().__init__(model, lambda layout: FullRetention(max_length, block), storage=storage)

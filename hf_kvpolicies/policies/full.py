@@ -6,8 +6,8 @@ from transformers import PreTrainedModel
 
 from ..cache import PolicyCache
 from ..retention import FullRetention
+from ..retention.full import checked_sizes
 from ..storage import StorageFactory
-from ..validation import check_int
 
 
 class FullCache(PolicyCache):
@@ -21,12 +21,23 @@ class FullCache(PolicyCache):
     ``max_length``: pre-size every layer to that many tokens, as transformers' ``StaticCache``
     does; decode steps then have static shapes and compile (``is_compileable``), and a forward
     past ``max_length`` is refused with ``ValueError``.
+
+    ``block``: grow without a limit, by whole blocks of ``block`` slots, before the forward that
+    needs them; decode steps between growths have static shapes and compile (``is_compileable``:
+    ``generate()`` with a ``compile_config`` captures the step again for each new size, about
+    ``log2`` of them with dynamic shapes). ``generate()`` grows the cache between steps; a
+    compiled loop of your own cannot, so it is refused with ``ValueError`` when full (give
+    ``max_length`` there). Eager decode steps read the block's unfilled slots under a mask, as a
+    pre-sized cache reads its whole buffer.
     """
 
     def __init__(
-        self, model: PreTrainedModel, max_length: int | None = None, storage: str | StorageFactory = "native"
+        self,
+        model: PreTrainedModel,
+        max_length: int | None = None,
+        storage: str | StorageFactory = "native",
+        block: int | None = None,
     ) -> None:
-        if max_length is not None:
-            max_length = check_int("max_length", max_length, minimum=1)
-        self.max_length = max_length
-        super().__init__(model, lambda layout: FullRetention(max_length), storage=storage)
+        max_length, block = checked_sizes(max_length, block)
+        self.max_length, self.block = max_length, block
+        super().__init__(model, lambda layout: FullRetention(max_length, block), storage=storage)

@@ -287,6 +287,13 @@ class Retention(ABC):
         """Slots a static step takes while the buffer fills (one token each, by default)."""
         return 1
 
+    grows_between_steps = False
+    """Whether static steps need room made before each forward (:meth:`make_room`)."""
+
+    def make_room(self, storage: Storage, tokens: int) -> None:
+        """Before a static step's masks are built: make room for the next ``tokens`` (nothing to do
+        for a buffer of fixed size)."""
+
     writes_shared_slots = False
     """Whether static steps write one slot that every row and head share, which
     :meth:`static_write_slots` names (an append's, a ring's), rather than slots chosen per row."""
@@ -327,11 +334,15 @@ class Retention(ABC):
     def _ensure_capacity(self, storage: Storage, slots: SlotIndex, q: int) -> None:
         end = self._end(slots, q)
         if end > storage.capacity:
-            new_capacity = max(end, grown_capacity(storage.capacity))
+            new_capacity = self._grown_capacity(storage.capacity, end)
             storage.grow(new_capacity)
             grown = torch.full((new_capacity,), -1, dtype=torch.long)
             grown[: self.slot_pos.numel()] = self.slot_pos
             self.slot_pos = grown
+
+    def _grown_capacity(self, capacity: int, end: int) -> int:
+        """Slots for a buffer of ``capacity`` that must reach slot ``end``: a quarter more, at least ``end``."""
+        return max(end, grown_capacity(capacity))
 
     def _record(self, slots: SlotIndex, q: int) -> None:
         if isinstance(slots, int) and q == 1:  # the decode step: a host write through numpy dispatches no operation

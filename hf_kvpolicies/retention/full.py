@@ -5,9 +5,24 @@ from __future__ import annotations
 import torch
 
 from ..storage import Storage
+from ..validation import check_int
 from ..storage.base import SlotIndex
 from .base import Retention
 from .window import RingRetention
+
+
+def checked_sizes(max_length: int | None, block: int | None) -> tuple[int | None, int | None]:
+    """``max_length`` and ``block`` of a full cache, checked: each at least 1, at most one given."""
+    if max_length is not None:
+        max_length = check_int("max_length", max_length, minimum=1)
+    if block is not None:
+        block = check_int("block", block, minimum=1)
+        if max_length is not None:
+            raise ValueError(
+                f"a full cache takes max_length (a fixed buffer) or block (a buffer that grows by blocks), not both; "
+                f"got max_length={max_length} and block={block}"
+            )
+    return max_length, block
 
 
 class FullRetention(Retention):
@@ -16,19 +31,28 @@ class FullRetention(Retention):
 
     Pre-sized (``max_length`` given, as transformers' ``StaticCache``): the buffer holds
     ``max_length`` slots from the first update and never grows, so decode steps are static
-    (compile-able); a forward that would go past it is refused with ``ValueError``."""
+    (compile-able); a forward that would go past it is refused with ``ValueError``.
+
+    In blocks (``block`` given): the buffer holds whole blocks of ``block`` slots and grows by
+    whole blocks, before a forward's masks are built (:meth:`make_room`), where the next tokens
+    would not fit: decode steps between growths are static (compile-able), and a compiled step is
+    captured again for each new size. The host counts follow compiled steps (one recompile makes
+    them symbolic), so deciding to grow reads nothing back from the device."""
 
     is_croppable = True
     in_position_order = True
     keeps_by_position = True
 
-    def __init__(self, max_length: int | None = None) -> None:
+    def __init__(self, max_length: int | None = None, block: int | None = None) -> None:
         super().__init__()
         self.limit = max_length
+        self.block = block
+        self.counts.follow_compiled = block is not None
+        self.grows_between_steps = block is not None
 
     @property
     def compileable(self) -> bool:
-        return self.limit is not None
+        return self.limit is not None or self.block is not None
 
     def limit_to(self, positions: int) -> bool:
         """A pre-sized buffer holds at most ``positions`` slots (a growing one grows as tokens come)."""
@@ -38,9 +62,32 @@ class FullRetention(Retention):
         return True
 
     def capacity(self, first_chunk: int) -> int:
-        """Exactly the first chunk (a prompt costs what ``DynamicCache`` pays); the first decode
-        step grows the buffer by a quarter."""
-        return max(1, first_chunk) if self.limit is None else self.limit
+        """Exactly the first chunk (a prompt costs what ``DynamicCache`` pays; the first decode
+        step grows the buffer by a quarter), ``max_length``, or the blocks the chunk fills."""
+        if self.limit is not None:
+            return self.limit
+        return max(1, first_chunk) if self.block is None else self._blocks(first_chunk)
+
+    def _blocks(self, tokens: int) -> int:
+        """Slots of the whole blocks that hold ``tokens`` (one block at least)."""
+        return max(1, -(-tokens // self.block)) * self.block
+
+    def _grown_capacity(self, capacity: int, end: int) -> int:
+        return super()._grown_capacity(capacity, end) if self.block is None else self._blocks(end)
+
+    def make_room(self, storage: Storage, tokens: int) -> None:
+        """Grow by whole blocks where the next ``tokens`` would not fit (eagerly: ``generate()`` asks
+        for a compiled step's masks before the step); inside a compiled step nothing can grow."""
+        if self.block is None or self.live + tokens <= storage.capacity:
+            return
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"this FullCache(block={self.block}) holds {storage.capacity} slots, all in use, and grows only between "
+                "compiled steps: decode with generate() (it grows the cache before each step), or build it with "
+                "max_length=... for a compiled loop of your own"
+            )
+        self._ensure_capacity(storage, self.live, tokens)
+        storage.mark_static_tensors()
 
     def _ensure_capacity(self, storage: Storage, slots: SlotIndex, q: int) -> None:
         if self.limit is not None and self._end(slots, q) > self.limit:
@@ -51,7 +98,7 @@ class FullRetention(Retention):
         super()._ensure_capacity(storage, slots, q)
 
     def static_ready(self, storage: Storage) -> bool:
-        return self.limit is not None and storage.is_allocated
+        return self.compileable and storage.is_allocated
 
     writes_shared_slots = True
 
@@ -61,7 +108,9 @@ class FullRetention(Retention):
 
     def static_step(self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The token goes to slot ``seen``, as in ``StaticCache``."""
-        if not torch.compiler.is_compiling() and self.live >= self.limit:
+        if self.block is not None:
+            self.make_room(storage, 1)  # (done already where masks were built)
+        elif not torch.compiler.is_compiling() and self.live >= self.limit:
             self._ensure_capacity(storage, self.live, 1)  # refused with the reason
         storage.write_static(self.seen_t.view(1), keys, values)
         self._static_done(storage)

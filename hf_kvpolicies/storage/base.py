@@ -105,6 +105,10 @@ class Storage(ABC):
         they mutate get fixed addresses, so a compiled step (and CUDA graphs) can reuse them.
         ``upcoming``: where the retention knows them, the slots its static steps will write (a
         storage with a native residual proves from them that no write lands on a shadowed slot)."""
+        self.mark_static_tensors()
+
+    def mark_static_tensors(self) -> None:
+        """Give the tensors static steps mutate fixed addresses (again after a growth replaced them)."""
         for tensor in self.static_tensors():
             torch._dynamo.mark_static_address(tensor)
 
