@@ -24,11 +24,11 @@ class FullCache(PolicyCache):
 
     ``block``: grow without a limit, by whole blocks of ``block`` slots, before the forward that
     needs them; decode steps between growths have static shapes and compile (``is_compileable``:
-    ``generate()`` with a ``compile_config`` captures the step again for each new size, about
-    ``log2`` of them with dynamic shapes). ``generate()`` grows the cache between steps; a
-    compiled loop of your own cannot, so it is refused with ``ValueError`` when full (give
-    ``max_length`` there). Eager decode steps read the block's unfilled slots under a mask, as a
-    pre-sized cache reads its whole buffer.
+    ``generate()`` with a ``compile_config`` captures the step again for a new size until dynamo
+    makes the size dynamic, three graphs for five growths). ``generate()`` grows the cache
+    between steps; a compiled loop of your own cannot, so it is refused with ``ValueError`` when
+    full (give ``max_length`` there). Eager decode steps read the block's unfilled slots under a
+    mask, as a pre-sized cache reads its whole buffer.
     """
 
     def __init__(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..storage import Storage
-from ..validation import check_int
 from ..storage.base import SlotIndex
+from ..validation import check_int
 from .base import Retention
 from .window import RingRetention
 
