@@ -90,8 +90,8 @@ def test_bounded_steps_are_flat_and_scored_ones_cost_a_few_dozen_operations(coun
 
 OWN_STEP_BUDGET = {"window": 8, "full": 8, "sink": 12, "knorm": 25}
 """Every aten operation (views included) a cache's work adds to one layer's decode step beyond
-``DynamicCache``'s, on native storage: the sliding window and the full cache (pre-sized or growing)
-write the token and advance one device counter; the sink retention also re-rotates its sinks' keys
+``DynamicCache``'s, on native storage: the sliding window and the full cache (pre-sized, growing,
+or growing by blocks) write the token and advance one device counter; the sink retention also re-rotates its sinks' keys
 by the evictions so far and writes them (one multiply-add; cos and sin of one angle per dim are
 computed by the first layer and reused by the others, as layer 1 here does); KNorm writes the
 token, its position and its score (the key's norm) and picks the next slot to free."""
@@ -105,7 +105,8 @@ def added_ops(spec: str, context: int = 96) -> int:
 
 
 @pytest.mark.parametrize(
-    "spec", ["window:window=32", "full", "full:max_length=128", "sink:sink_tokens=4,window=28", "knorm:budget=32,recent=8"]
+    "spec",
+    ["window:window=32", "full", "full:max_length=128", "full:block=32", "sink:sink_tokens=4,window=28", "knorm:budget=32,recent=8"],
 )
 def test_steps_stay_within_their_operation_budget(spec, one_thread):
     name = spec.partition(":")[0]
