@@ -163,3 +163,40 @@ shadowed, proven when static steps begin), the payload decoded and the residual 
 def test_fp8_static_steps_add_at_most_their_budget(spec, one_thread):
     fp8 = added_ops(f"{spec},storage=fp8:residual=8")
     assert fp8 - added_ops(spec) <= STATIC_FP8_EXTRA, (spec, fp8)
+
+
+STORAGE_EXTRA = {"fp8": 80, "int8": 300, "int4": 340, "int2": 360}
+"""What each stored format may add to a registered policy's decode step beyond the same policy on
+native storage (budget 32, every operation counted): the token quantised into its slot and pushed
+into the native residual, every slot decoded for attention and the residual laid over them; the
+integer formats also unpack their planes and, for a token leaving the residual, re-quantise its
+key group (per-channel keys span tokens). The sink cache also rewrites its sinks' keys through
+the format at every step (:data:`SINK_STORAGE_EXTRA`)."""
+SINK_STORAGE_EXTRA = {"fp8": 115, "int8": 530, "int4": 585, "int2": 625}
+
+
+@pytest.fixture(scope="module")
+def storage_counts() -> dict[tuple[str, str], int]:
+    """Every operation of layer 1's decode step for every registered policy that takes a storage, per storage."""
+    model = tiny_llama(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    table = {}
+    for name in available_policies():
+        constructor = policy_constructor(name)
+        if "storage" not in inspect.signature(constructor).parameters:
+            continue
+        kwargs = dict(constructor.budget_parameters(BUDGET) or {})
+        if "tokenizer" in inspect.signature(constructor).parameters:
+            kwargs["tokenizer"] = char_tokenizer()
+        for storage in ["native", *STORAGE_EXTRA]:
+            table[name, storage] = step_ops(model, constructor(model, **kwargs, storage=storage), CONTEXTS[0], views=True)
+    return table
+
+
+@pytest.mark.parametrize("storage", list(STORAGE_EXTRA))
+def test_every_policy_in_every_stored_format_stays_within_its_budget(storage, storage_counts, one_thread):
+    names = sorted({name for name, _ in storage_counts})
+    assert len(names) >= 10
+    for name in names:
+        extra = storage_counts[name, storage] - storage_counts[name, "native"]
+        budget = (SINK_STORAGE_EXTRA if name == "sink" else STORAGE_EXTRA)[storage]
+        assert 0 < extra <= budget, (name, storage, extra)
