@@ -234,12 +234,13 @@ class NativeResidual:
 
         Every write pushes (nothing is shadowed), so after a write the ring holds the slots of the
         last ``size`` writes and the entries from before static steps whose turn has not come:
-        the entry ``i`` places after the next one is overwritten by write ``i``. A write meets
-        no entry iff it names none of the ``size`` writes before it (the first ``size + 1``
-        slots are distinct: a period above ``size``) and no entry it precedes shadows its slot."""
+        write ``i`` overwrites the entry ``i`` places past the oldest, after comparing its slot
+        with it. A write meets no entry iff it names none of the ``size`` writes before it (the
+        first ``size + 1`` slots are distinct: a period above ``size``), and no entry from before
+        static steps shadows a slot that a write names at or before that entry's turn."""
         if self._shadowed is None or len(set(upcoming)) != len(upcoming):
             return False
-        first = {}
+        first: dict[int, int] = {}
         for step, slot in enumerate(upcoming):
             first.setdefault(slot, step)
         entries = (self._shadowed[(self._next + offset) % self.size] for offset in range(self.size))
