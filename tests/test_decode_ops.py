@@ -152,11 +152,12 @@ def test_fp8_storage_adds_at_most_its_budget_to_the_full_cache_step(one_thread):
     assert sum(extra) / len(extra) <= FP8_EXTRA, extra
 
 
-STATIC_FP8_EXTRA = 60
+STATIC_FP8_EXTRA = 50
 """What fp8 storage may add to a static decode step of a ring or a pre-sized full cache beyond
 native storage's, every operation counted: the token quantised and written with its scales, its
 native copy pushed into the residual (no refresh and no push decision: those slots are never
-shadowed, proven when static steps begin), the payload decoded and the residual laid over it."""
+shadowed, proven when static steps begin), the payload decoded and the residual laid over it
+in one scatter (every entry in use)."""
 
 
 @pytest.mark.parametrize("spec", ["window:window=32", "full:max_length=128"])
@@ -165,14 +166,14 @@ def test_fp8_static_steps_add_at_most_their_budget(spec, one_thread):
     assert fp8 - added_ops(spec) <= STATIC_FP8_EXTRA, (spec, fp8)
 
 
-STORAGE_EXTRA = {"fp8": 80, "int8": 300, "int4": 340, "int2": 360}
+STORAGE_EXTRA = {"fp8": 70, "int8": 295, "int4": 330, "int2": 355}
 """What each stored format may add to a registered policy's decode step beyond the same policy on
 native storage (budget 32, every operation counted): the token quantised into its slot and pushed
 into the native residual, every slot decoded for attention and the residual laid over them; the
 integer formats also unpack their planes and, for a token leaving the residual, re-quantise its
 key group (per-channel keys span tokens). The sink cache also rewrites its sinks' keys through
 the format at every step (:data:`SINK_STORAGE_EXTRA`)."""
-SINK_STORAGE_EXTRA = {"fp8": 115, "int8": 530, "int4": 585, "int2": 625}
+SINK_STORAGE_EXTRA = {"fp8": 105, "int8": 525, "int4": 580, "int2": 620}
 
 
 @pytest.fixture(scope="module")

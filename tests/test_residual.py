@@ -70,3 +70,19 @@ def residual_holding(slots: list[int], size: int = 4) -> NativeResidual:
 def test_a_write_is_proven_unshadowed_only_before_it_can_meet_an_entry(held, upcoming, never):
     ring = residual_holding(held)
     assert ring._never_shadowed(upcoming) is never
+
+
+@pytest.mark.parametrize("spec", ["full:storage=fp8", "window:window=16,storage=fp8:residual=8", "h2o:heavy=8,recent=8,storage=fp8:residual=8"])
+def test_a_cache_prefilled_without_grad_decodes_with_grad(spec):
+    """The residual's views made under ``torch.no_grad()`` are made again once grad is enabled
+    (autograd refuses a no-grad view whose base was written in place with grad enabled)."""
+    model = tiny_llama()
+    ids = random_ids(1, 60)
+    logits = []
+    for grad in (False, True):
+        cache = from_spec(model, spec)
+        with torch.no_grad():
+            model(ids[:, :50], cache=cache)
+        with torch.set_grad_enabled(grad):
+            logits.append(torch.cat([model(ids[:, t : t + 1], cache=cache).logits.detach() for t in range(50, 60)]))
+    assert torch.equal(logits[0], logits[1])

@@ -67,7 +67,10 @@ class NativeResidual:
         self._unshadowed = False
         """Static steps: no write lands on a slot an entry shadows (:meth:`enter_static` proved it),
         so a write neither refreshes nor decides whether to push: it pushes."""
+        self._all_in_use = False
+        """Static steps: every entry was in use when they began, so every entry stays in use."""
         self._paired: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._paired_grad = False  # the grad mode the views were made in
         """Views of ``slots`` and ``values`` shaped for a paired read's scatter (:meth:`overlay`), made
         once per tensor (keys and values equally wide)."""
 
@@ -85,9 +88,18 @@ class NativeResidual:
     def _pair(self) -> None:
         """Make the views of :attr:`_paired` for the tensors now held."""
         self._paired = None
+        self._paired_grad = torch.is_grad_enabled()
         if self.size and 2 * self.key_dim == self.values.shape[-1]:
             native = self.values.unflatten(-1, (2, self.key_dim))
             self._paired = self.slots[..., None, None].expand_as(native), native
+
+    def _paired_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:attr:`_paired`, made again where the grad mode changed since (autograd refuses a view
+        made under ``no_grad`` whose base was written in place with grad enabled: a cache
+        prefilled under ``torch.no_grad()`` and decoded without it)."""
+        if self._paired_grad != torch.is_grad_enabled():
+            self._pair()
+        return self._paired
 
     @property
     def host_slots(self) -> list[int] | None:
@@ -182,7 +194,7 @@ class NativeResidual:
         if length >= self.written_end:  # every entry shadows a slot inside the read
             if self.held < self.size:
                 self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
-            elif paired is not None and self._paired is not None:  # views made once: a step pays for every operation
+            elif paired is not None and self._paired_views() is not None:  # views made once: a step pays for every operation
                 paired.scatter_(2, *self._paired)
             else:
                 self._scatter(keys, values, paired, self.slots, self.values)
@@ -226,6 +238,7 @@ class NativeResidual:
             self._ring = torch.zeros((), dtype=torch.long, device=device)
         self._ring.fill_(self._next)
         self._push_always = self._shadowed is None
+        self._all_in_use = bool(self.size) and self.held == self.size
         self._unshadowed = bool(self.size) and upcoming is not None and self._never_shadowed(upcoming(self.size + 1))
 
     def _never_shadowed(self, upcoming: list[int]) -> bool:
@@ -302,6 +315,12 @@ class NativeResidual:
         reads (the first push lands there), and entries that share a slot agree, so they write
         nothing new and no copy of the whole buffer is needed."""
         if not self.size:
+            return keys, values
+        if self._all_in_use:  # as an eager read once the ring is full: the views made once
+            if paired is not None and self._paired_views() is not None:
+                paired.scatter_(2, *self._paired)
+            else:
+                self._scatter(keys, values, paired, self.slots, self.values)
             return keys, values
         used = self.slots >= 0
         index = torch.where(used, self.slots, self.slots[..., :1])
