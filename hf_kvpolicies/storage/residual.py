@@ -70,9 +70,9 @@ class NativeResidual:
         self._all_in_use = False
         """Static steps: every entry was in use when they began, so every entry stays in use."""
         self._paired: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._paired_grad = False  # the grad mode the views were made in
         """Views of ``slots`` and ``values`` shaped for a paired read's scatter (:meth:`overlay`), made
         once per tensor (keys and values equally wide)."""
+        self._paired_grad = False  # the grad mode the views were made in
 
     def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.key_dim = key_dim
@@ -194,8 +194,8 @@ class NativeResidual:
         if length >= self.written_end:  # every entry shadows a slot inside the read
             if self.held < self.size:
                 self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
-            elif paired is not None and self._paired_views() is not None:  # views made once: a step pays for every operation
-                paired.scatter_(2, *self._paired)
+            elif paired is not None and (views := self._paired_views()) is not None:  # views made once: a step pays for every operation
+                paired.scatter_(2, *views)
             else:
                 self._scatter(keys, values, paired, self.slots, self.values)
             return keys, values
@@ -317,8 +317,8 @@ class NativeResidual:
         if not self.size:
             return keys, values
         if self._all_in_use:  # as an eager read once the ring is full: the views made once
-            if paired is not None and self._paired_views() is not None:
-                paired.scatter_(2, *self._paired)
+            if paired is not None and (views := self._paired_views()) is not None:
+                paired.scatter_(2, *views)
             else:
                 self._scatter(keys, values, paired, self.slots, self.values)
             return keys, values
