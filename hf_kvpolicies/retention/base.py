@@ -268,7 +268,7 @@ class Retention(ABC):
         seen_t = self.counts.enter(storage.device)
         for tensor in [seen_t, *self._enter_static(storage)]:
             torch._dynamo.mark_static_address(tensor)
-        storage.enter_static(self.static_write_slots if self.writes_shared_slots else None)
+        storage.enter_static(self.static_write_slots)
 
     def static_step(
         self, storage: Storage, keys: torch.Tensor, values: torch.Tensor, query: tuple[torch.Tensor, float] | None = None
@@ -294,13 +294,10 @@ class Retention(ABC):
         """Before a static step's masks are built: make room for the next ``tokens`` (nothing to do
         for a buffer of fixed size)."""
 
-    writes_shared_slots = False
-    """Whether static steps write one slot that every row and head share, which
-    :meth:`static_write_slots` names (an append's, a ring's), rather than slots chosen per row."""
-
-    def static_write_slots(self, steps: int) -> list[int]:
-        """The slots the next ``steps`` static steps write (where :attr:`writes_shared_slots`)."""
-        raise NotImplementedError(f"{type(self).__name__}'s static steps choose their slots per row and head")
+    def static_write_slots(self, steps: int) -> list[int] | None:
+        """The slots the next ``steps`` static steps write, where every row and head shares one slot
+        a step (an append's, a ring's); ``None`` where each step chooses its slots per row and head."""
+        return None
 
     def static_visible(self) -> torch.Tensor | None:
         """``[batch, kv_heads, slots]``: the slots the next static step shows its query, where the

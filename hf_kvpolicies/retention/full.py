@@ -48,11 +48,14 @@ class FullRetention(Retention):
         self.limit = max_length
         self.block = block
         self.counts.follow_compiled = block is not None
-        self.grows_between_steps = block is not None
 
     @property
     def compileable(self) -> bool:
         return self.limit is not None or self.block is not None
+
+    @property
+    def grows_between_steps(self) -> bool:
+        return self.block is not None
 
     def limit_to(self, positions: int) -> bool:
         """A pre-sized buffer holds at most ``positions`` slots (a growing one grows as tokens come)."""
@@ -99,8 +102,6 @@ class FullRetention(Retention):
 
     def static_ready(self, storage: Storage) -> bool:
         return self.compileable and storage.is_allocated
-
-    writes_shared_slots = True
 
     def static_write_slots(self, steps: int) -> list[int]:
         """Appends: the slots after the last token."""

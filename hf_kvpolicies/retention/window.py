@@ -142,8 +142,6 @@ class RingRetention(Retention):
         self._entry_next = self._next
         return [self._slot_t]
 
-    writes_shared_slots = True
-
     def static_write_slots(self, steps: int) -> list[int]:
         """From ``_next`` on, wrapping to the first ring slot after the last (as :meth:`static_step`)."""
         ring = self.ring_capacity - self.sinks

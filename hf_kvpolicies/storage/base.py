@@ -17,10 +17,11 @@ SlotIndex = int | torch.Tensor
 """Where to write: an ``int`` start slot (contiguous run), a ``LongTensor[q]`` shared by every
 row and head, or a ``LongTensor[batch, kv_heads, q]`` chosen per row and head."""
 
-UpcomingSlots = Callable[[int], list[int]]
+UpcomingSlots = Callable[[int], list[int] | None]
 """``upcoming(n)``: the slots the next ``n`` static steps write, in order, one token each and
 shared by every row and head, known on the host when static steps begin: an append's (rising) or a
-ring's (repeating with the ring's period), so the first ``n`` tell whether any ``n`` in a row repeat."""
+ring's (repeating with the ring's period), so the first ``n`` tell whether any ``n`` in a row repeat;
+``None`` where each step chooses its slots per row and head."""
 
 
 class Storage(ABC):

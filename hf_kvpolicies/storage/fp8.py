@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validation import check_int
-from .base import SlotIndex, Storage, UpcomingSlots, allocated, expand_slots
+from .base import SlotIndex, Storage, UpcomingSlots, allocated, put, take
 from .residual import NativeResidual, PendingTokens
 
 DEFAULT_RESIDUAL = 32
@@ -264,21 +264,8 @@ class FP8Storage(Storage):
     def _encode(self, slots: SlotIndex, fresh: torch.Tensor) -> None:
         """Tokens (keys and values side by side) quantised into ``slots``."""
         payload, codes = self._quantise(fresh)
-        if isinstance(slots, int):
-            q = fresh.shape[-2]
-            self.payload[:, :, slots : slots + q] = payload
-            self.scales[:, :, slots : slots + q] = codes
-        else:
-            self._store(slots, payload, codes)
-
-    def _store(self, slots: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
-        """Quantised tokens into device ``slots`` (``[q]`` shared, or ``[batch, heads, q]`` per row and head)."""
-        if slots.dim() == 1:
-            self.payload.index_copy_(2, slots, payload)
-            self.scales.index_copy_(2, slots, codes)
-        else:
-            self.payload.scatter_(2, expand_slots(slots, payload), payload)
-            self.scales.scatter_(2, expand_slots(slots, codes), codes)
+        put(self.payload, slots, payload)
+        put(self.scales, slots, codes)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if length == 0:
@@ -289,12 +276,7 @@ class FP8Storage(Storage):
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
-        if slots.dim() == 1:
-            payload, codes = self.payload.index_select(2, slots), self.scales.index_select(2, slots)
-        else:
-            payload = self.payload.gather(2, expand_slots(slots, self.payload))
-            codes = self.scales.gather(2, expand_slots(slots, self.scales))
-        keys, values, _ = self._dequantise(payload, codes)
+        keys, values, _ = self._dequantise(take(self.payload, slots), take(self.scales, slots))
         return self.ring.override(keys, values, slots)
 
     def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,7 +328,7 @@ class FP8Storage(Storage):
 
     def _write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, push: bool) -> None:
         fresh = torch.cat([keys, values], dim=-1)
-        self._store(slots, *self._quantise(fresh))
+        self._encode(slots, fresh)
         self.ring.write_static(slots, fresh, push)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:

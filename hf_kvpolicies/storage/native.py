@@ -41,13 +41,9 @@ class NativeStorage(Storage):
         self.values[:, :, :used] = old_values
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if isinstance(slots, int):
-            end = slots + keys.shape[-2]
-            self.keys[:, :, slots:end] = keys
-            self.values[:, :, slots:end] = values
-        elif slots.dim() == 1:
-            self.keys.index_copy_(2, slots, keys)
-            self.values.index_copy_(2, slots, values)
+        if isinstance(slots, int) or slots.dim() == 1:
+            put(self.keys, slots, keys)
+            put(self.values, slots, values)
         else:  # per row and head: one indexed write each, whatever the widths
             index = (*self._index_rows_heads(), slots)
             self.keys.index_put_(index, keys)

@@ -194,12 +194,18 @@ class NativeResidual:
         if length >= self.written_end:  # every entry shadows a slot inside the read
             if self.held < self.size:
                 self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
-            elif paired is not None and (views := self._paired_views()) is not None:  # views made once: a step pays for every operation
-                paired.scatter_(2, *views)
             else:
-                self._scatter(keys, values, paired, self.slots, self.values)
+                self._scatter_every_entry(keys, values, paired)
             return keys, values
         return self.override(keys, values, torch.arange(length, device=keys.device))
+
+    def _scatter_every_entry(self, keys: torch.Tensor, values: torch.Tensor, paired: torch.Tensor | None) -> None:
+        """Every entry (all in use) written over the decoded slots; paired, through views made once
+        (a step pays for every operation)."""
+        if paired is not None and (views := self._paired_views()) is not None:
+            paired.scatter_(2, *views)
+        else:
+            self._scatter(keys, values, paired, self.slots, self.values)
 
     def _scatter(
         self, keys: torch.Tensor, values: torch.Tensor, paired: torch.Tensor | None, slots: torch.Tensor, native: torch.Tensor
@@ -239,7 +245,8 @@ class NativeResidual:
         self._ring.fill_(self._next)
         self._push_always = self._shadowed is None
         self._all_in_use = bool(self.size) and self.held == self.size
-        self._unshadowed = bool(self.size) and upcoming is not None and self._never_shadowed(upcoming(self.size + 1))
+        ahead = upcoming(self.size + 1) if self.size and upcoming is not None else None
+        self._unshadowed = ahead is not None and self._never_shadowed(ahead)
 
     def _never_shadowed(self, upcoming: list[int]) -> bool:
         """Whether static writes to ``upcoming`` (the next ``size + 1`` slots, then on with the same
@@ -270,27 +277,22 @@ class NativeResidual:
             return None
         q = fresh.shape[-2]
         written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
-        if push and self._unshadowed and q == 1:  # one new token on a slot no entry shadows: pushed
-            ring = self._ring.view(1)
-            departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring)) if departures else None
-            self.values.index_copy_(2, ring, fresh)
-            self.slots.index_copy_(2, ring, written.expand(*fresh.shape[:2], 1))
-            self._ring.add_(1).remainder_(self.size)
-            return departed
-        match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
-        if q == 1:  # every match takes the one token
-            self.values.copy_(torch.where(match, fresh, self.values))
-        else:
-            refreshed = fresh.gather(2, expand_slots(match.to(torch.uint8).argmax(dim=-1), fresh))
-            self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
+        unchecked = push and self._unshadowed and q == 1  # one new token on a slot no entry shadows: pushed
+        if not unchecked:
+            match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
+            if q == 1:  # every match takes the one token
+                self.values.copy_(torch.where(match, fresh, self.values))
+            else:
+                refreshed = fresh.gather(2, expand_slots(match.to(torch.uint8).argmax(dim=-1), fresh))
+                self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
         if not push:
             return None
         count = min(q, self.size)
         ring = self._ring.view(1) if count == 1 else (self._ring + torch.arange(count, device=fresh.device)) % self.size
-        new_values = fresh[:, :, q - count :]
-        new_slots = written[..., q - count :].expand(*fresh.shape[:2], count)
+        new_values, new_slots = (fresh, written) if count == q else (fresh[:, :, q - count :], written[..., q - count :])
+        new_slots = new_slots.expand(*fresh.shape[:2], count)
         departed = None
-        if self._push_always or slots.dim() > 1:
+        if unchecked or self._push_always or slots.dim() > 1:
             if departures:
                 departed = Departed(self.slots.index_select(2, ring), self.values.index_select(2, ring))
             advance: int | torch.Tensor = count
@@ -316,11 +318,8 @@ class NativeResidual:
         nothing new and no copy of the whole buffer is needed."""
         if not self.size:
             return keys, values
-        if self._all_in_use:  # as an eager read once the ring is full: the views made once
-            if paired is not None and (views := self._paired_views()) is not None:
-                paired.scatter_(2, *views)
-            else:
-                self._scatter(keys, values, paired, self.slots, self.values)
+        if self._all_in_use:  # as an eager read once the ring is full
+            self._scatter_every_entry(keys, values, paired)
             return keys, values
         used = self.slots >= 0
         index = torch.where(used, self.slots, self.slots[..., :1])
