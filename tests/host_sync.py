@@ -9,7 +9,8 @@ aten op (a ``TorchDispatchMode``; the output of an op with a marked input is mar
 that need the value on the host (``_local_scalar_dense`` behind ``int``/``bool``/``.item()``,
 ``equal``, ``nonzero``) and the Python methods that copy to the host without dispatching on a
 CPU tensor (``.tolist()``, ``.cpu()``, ``.numpy()``, ``.to("cpu")``). On a GPU each of them
-would stall the launch queue.
+would stall the launch queue. Integer storage reads through its PyTorch operations here, the path a
+GPU runs (its CPU kernels write tensors the guard could not follow).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hf_kvpolicies
+from hf_kvpolicies.storage.cpu_kernels import portable
 
 MARK = "_on_device"
 LIBRARY = str(Path(hf_kvpolicies.__file__).parent)
@@ -84,7 +86,7 @@ def guarded(model: torch.nn.Module, monkeypatch):
     for name in HOST_COPIES:
         monkeypatch.setattr(torch.Tensor, name, _host_copy(guard, getattr(torch.Tensor, name), name))
     monkeypatch.setattr(torch.Tensor, "to", _to(guard, torch.Tensor.to))
-    with guard:
+    with guard, portable():
         yield guard
 
 

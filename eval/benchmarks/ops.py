@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from hf_kvpolicies import available_policies, available_storages, from_spec
 from hf_kvpolicies.specs import policy_constructor
+from hf_kvpolicies.storage.cpu_kernels import portable
 
 from ..budgets import expand
 
@@ -40,7 +41,9 @@ class OperationCounter(TorchDispatchMode):
 
     ``layer``: only those dispatched while that module runs (its forward hooks open and close the
     count; :meth:`close` removes them). ``views``: whether operations that only make a view
-    (:data:`VIEWS`) count.
+    (:data:`VIEWS`) count. While it counts, integer storage reads through PyTorch operations
+    (:func:`~hf_kvpolicies.storage.cpu_kernels.portable`): the count is of the path every device
+    runs, whether or not this machine built the CPU kernels.
     """
 
     def __init__(self, layer: torch.nn.Module | None = None, views: bool = True) -> None:
@@ -52,6 +55,15 @@ class OperationCounter(TorchDispatchMode):
             layer.register_forward_pre_hook(lambda *args: setattr(self, "inside", True)),
             layer.register_forward_hook(lambda *args: setattr(self, "inside", False)),
         ]
+
+    def __enter__(self) -> OperationCounter:
+        self._portable = portable()
+        self._portable.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._portable.__exit__(*exc)
 
     @property
     def count(self) -> int:

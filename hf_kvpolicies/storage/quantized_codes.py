@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels
 from .affine import affine_parameters, decode, decode_groups, encode, pack, packed_width, quantise_groups, unpack
 from .base import SlotIndex, allocated, expand_slots, put, take
 
@@ -68,6 +69,10 @@ class TokenCodes:
     def read(self, slots: SlotIndex, count: int, dtype: torch.dtype) -> torch.Tensor:
         """The decoded vectors at ``slots`` (``count`` from an ``int`` start)."""
         codes, zero, scale = (take(t, slots, count) for t in self.tensors())
+        if isinstance(slots, int):
+            fused = cpu_kernels.decode_token_groups(codes, zero, scale, count, self.width, self.group, self.bits, dtype)
+            if fused is not None:
+                return fused
         return decode_groups(unpack(codes, self.bits, self.width), zero, scale, self.group, -1, dtype)
 
     @property
@@ -142,8 +147,10 @@ class ChannelCodes:
         """Slots ``[0, length)`` decoded (their groups' current grids): the whole groups they touch
         are decoded in one broadcast operation, and the first ``length`` slots returned (a view)."""
         groups = -(-length // self.group)
-        codes = unpack(self.codes[:, :, : groups * self.group], self.bits, self.width)
-        decoded = decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
+        decoded = cpu_kernels.decode_channel_groups(self.codes, self.zero, self.scale, length, self.width, self.group, self.bits, dtype)
+        if decoded is None:
+            codes = unpack(self.codes[:, :, : groups * self.group], self.bits, self.width)
+            decoded = decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
         sinks = min(self.sinks, length)
         decoded[:, :, :sinks] = self.sink_keys[:, :, :sinks]
         return decoded[:, :, :length]

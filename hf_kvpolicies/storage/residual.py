@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
 from .base import SlotIndex, UpcomingSlots, allocated, expand_slots
 
 
@@ -191,6 +192,8 @@ class NativeResidual:
         into one buffer (equal widths), which then take the entries in one scatter."""
         if not self.held:
             return keys, values
+        if paired is None and cpu_kernels.overlay_entries(keys, values, self.values, self.slots, self.held):
+            return keys, values
         if length >= self.written_end:  # every entry shadows a slot inside the read
             if self.held < self.size:
                 self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
@@ -317,6 +320,8 @@ class NativeResidual:
         reads (the first push lands there), and entries that share a slot agree, so they write
         nothing new and no copy of the whole buffer is needed."""
         if not self.size:
+            return keys, values
+        if paired is None and cpu_kernels.overlay_entries(keys, values, self.values, self.slots, self.size):
             return keys, values
         if self._all_in_use:  # as an eager read once the ring is full
             self._scatter_every_entry(keys, values, paired)

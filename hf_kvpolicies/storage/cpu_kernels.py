@@ -1,0 +1,186 @@
+"""Fused CPU kernels for integer storage reads: packed codes to the model's keys and values in one pass.
+
+A read in PyTorch operations unpacks each plane, joins the planes, widens the codes, scales and
+shifts them and lays the residual over them: some fifteen operations per tensor, each a pass over
+the layer's slots, and on a CPU at a thousand tokens their dispatch, not their bytes, sets the
+time. The kernels of ``cpu_kernels.c`` do the same arithmetic in one pass (the definition of
+:mod:`.affine`: ``zero + code * scale`` in float32, whose product is exact, so the sum is its one
+rounding), and give the same bits as the PyTorch operations (``tests/test_cpu_kernels.py``).
+
+They are built on first use with the system's C compiler (``$CC``, else ``cc``) into
+``$HF_KVPOLICIES_CACHE`` (default ``~/.cache/hf_kvpolicies``) and run on the OpenMP runtime that
+PyTorch has loaded, with ``torch.get_num_threads()`` threads. The PyTorch operations run instead
+wherever the kernels cannot serve: no compiler, a tensor off the CPU, a model that is not float32,
+a residual that carries gradients, a step traced by ``torch.compile``, or
+``HF_KVPOLICIES_CPU_KERNELS=0`` in the environment (or :func:`portable` in the code).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+MAX_WIDTH = 1024  # the kernels' per-thread buffers (MAX_WIDTH in cpu_kernels.c)
+
+_enabled = True  # False inside portable()
+
+
+@contextmanager
+def portable() -> Iterator[None]:
+    """Read through the PyTorch operations inside the block (the path every device runs; the
+    operation counts of ``tests/test_decode_ops.py`` are of this path)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or ``None`` where they are turned off or cannot be built (said once in the log)."""
+    if os.environ.get("HF_KVPOLICIES_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), platform.machine().encode()])).hexdigest()[:16]
+    directory = Path(os.environ.get("HF_KVPOLICIES_CACHE") or Path.home() / ".cache" / "hf_kvpolicies")
+    target = directory / f"cpu_kernels-{key}.so"
+    try:
+        if not target.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            handle, built = tempfile.mkstemp(dir=directory, suffix=".so")
+            os.close(handle)
+            try:
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", built], check=True, capture_output=True, timeout=300)
+                os.replace(built, target)  # atomic: processes building at once each install a whole library
+            finally:
+                Path(built).unlink(missing_ok=True)
+        kernels = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        logger.info("integer storage reads through PyTorch operations: its CPU kernels did not build with %s (%s)", compiler, detail)
+        return None
+    pointers, integers = [ctypes.c_void_p] * 4, [ctypes.c_int64] * 9
+    kernels.decode_channel_groups.argtypes = pointers + integers
+    kernels.decode_token_groups.argtypes = pointers + integers
+    kernels.overlay_entries.argtypes = pointers + [ctypes.c_int64] * 7
+    for function in (kernels.decode_channel_groups, kernels.decode_token_groups, kernels.overlay_entries):
+        function.restype = None
+    return kernels
+
+
+def _kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where they may serve these tensors: on the CPU, outside tracing."""
+    if not _enabled or torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+        return None
+    return library()
+
+
+def _row_stride(tensor: torch.Tensor) -> int | None:
+    """Elements between rows (batch x heads) of ``[batch, heads, slots, inner]``, where each row's
+    slots lie packed one after another and the rows are evenly spaced (``None`` otherwise)."""
+    batch, heads, _, inner = tensor.shape
+    if tensor.stride(3) != 1 or tensor.stride(2) != inner:
+        return None
+    if heads == 1:
+        return tensor.stride(0)
+    if batch > 1 and tensor.stride(0) != heads * tensor.stride(1):
+        return None
+    return tensor.stride(1)
+
+
+def _decode(
+    name: str,
+    codes: torch.Tensor,
+    zero: torch.Tensor,
+    scale: torch.Tensor,
+    length: int,
+    width: int,
+    group: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    if dtype != torch.float32:
+        return None
+    kernels = _kernels(codes)
+    code_row, param_row = _row_stride(codes), _row_stride(zero)
+    if kernels is None or code_row is None or param_row is None or param_row != _row_stride(scale):
+        return None
+    if zero.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or width > MAX_WIDTH or zero.stride() != scale.stride():
+        return None
+    batch, heads = codes.shape[:2]
+    out = torch.empty(batch, heads, length, width, dtype=torch.float32)
+    getattr(kernels, name)(
+        out.data_ptr(), codes.data_ptr(), zero.data_ptr(), scale.data_ptr(),
+        batch * heads, length, width, codes.shape[3], code_row, param_row, group, bits, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def decode_channel_groups(
+    codes: torch.Tensor,
+    zero: torch.Tensor,
+    scale: torch.Tensor,
+    length: int,
+    width: int,
+    group: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Slots ``[0, length)`` of codes quantised per channel over groups of ``group`` slots, as float32
+    ``[batch, heads, length, width]`` (``zero``/``scale``: ``[batch, heads, groups, width]`` bfloat16);
+    ``None`` where the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
+    return _decode("decode_channel_groups", codes, zero, scale, length, width, group, bits, dtype)
+
+
+def decode_token_groups(
+    codes: torch.Tensor,
+    zero: torch.Tensor,
+    scale: torch.Tensor,
+    length: int,
+    width: int,
+    group: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Slots ``[0, length)`` of codes quantised per slot in groups of ``group`` channels, as float32
+    ``[batch, heads, length, width]`` (``zero``/``scale``: ``[batch, heads, slots, groups]`` bfloat16);
+    ``None`` where the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
+    return _decode("decode_token_groups", codes, zero, scale, length, width, group, bits, dtype)
+
+
+def overlay_entries(keys: torch.Tensor, values: torch.Tensor, native: torch.Tensor, slots: torch.Tensor, count: int) -> bool:
+    """Write the first ``count`` residual entries (``native``: ``[batch, heads, size, key + value
+    width]``, the slot each shadows in ``slots``, ``-1`` for none) over contiguous float32 ``keys``
+    and ``values``, skipping slots outside them; ``False`` (nothing written) where the kernels
+    cannot serve, or autograd must see the entries written."""
+    kernels = _kernels(keys, native)
+    if kernels is None or keys.dtype != torch.float32 or values.dtype != torch.float32 or native.dtype != torch.float32:
+        return False
+    if not (keys.is_contiguous() and values.is_contiguous() and native.is_contiguous() and slots.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and (native.requires_grad or keys.requires_grad or values.requires_grad):
+        return False
+    batch, heads, length, key_width = keys.shape
+    kernels.overlay_entries(
+        keys.data_ptr(), values.data_ptr(), native.data_ptr(), slots.data_ptr(),
+        batch * heads, length, key_width, values.shape[3], native.shape[2], count, torch.get_num_threads(),
+    )  # fmt: skip
+    return True
