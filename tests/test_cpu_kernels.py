@@ -97,13 +97,13 @@ def test_generated_logits_equal_the_pytorch_operations(spec, one_thread):
 def test_the_pytorch_operations_serve_where_the_kernels_cannot():
     storage = streamed(4, {}, 1, 2, 16, tokens=40)
     keys = storage.keys
-    bf16 = cpu_kernels.decode_channel_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, 4, torch.bfloat16)
+    bf16 = cpu_kernels.decode_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, -2, 4, torch.bfloat16)
     assert bf16 is None  # a model that is not float32
     strided = keys.codes[:, :, :, :4]
-    assert cpu_kernels.decode_channel_groups(strided, keys.zero, keys.scale, 40, 8, 32, 4, torch.float32) is None
-    assert cpu_kernels.decode_channel_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, 4, torch.float32) is not None
+    assert cpu_kernels.decode_groups(strided, keys.zero, keys.scale, 40, 8, 32, -2, 4, torch.float32) is None
+    assert cpu_kernels.decode_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, -2, 4, torch.float32) is not None
     with portable():
-        assert cpu_kernels.decode_channel_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, 4, torch.float32) is None
+        assert cpu_kernels.decode_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, -2, 4, torch.float32) is None
 
 
 def test_a_residual_that_carries_gradients_reads_through_autograd():

@@ -74,8 +74,14 @@ def library() -> ctypes.CDLL | None:
                 Path(built).unlink(missing_ok=True)
         kernels = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        logger.info("integer storage reads through PyTorch operations: its CPU kernels did not build with %s (%s)", compiler, detail)
+        output = getattr(error, "stderr", None)
+        detail = output.decode(errors="replace").strip() if isinstance(output, bytes) and output else error
+        logger.info(
+            "integer storage reads through PyTorch operations (slower on the CPU): its CPU kernels did not build with %s "
+            "(%s); install a C compiler with OpenMP or name one in CC",
+            compiler,
+            detail,
+        )
         return None
     pointers, integers = [ctypes.c_void_p] * 4, [ctypes.c_int64] * 9
     kernels.decode_channel_groups.argtypes = pointers + integers
@@ -106,17 +112,25 @@ def _row_stride(tensor: torch.Tensor) -> int | None:
     return tensor.stride(1)
 
 
-def _decode(
-    name: str,
+KERNELS = {-2: "decode_channel_groups", -1: "decode_token_groups"}
+
+
+def decode_groups(
     codes: torch.Tensor,
     zero: torch.Tensor,
     scale: torch.Tensor,
     length: int,
     width: int,
     group: int,
+    axis: int,
     bits: int,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:
+    """Slots ``[0, length)`` of ``codes`` decoded, as float32 ``[batch, heads, length, width]``; the
+    groups run along ``axis`` as in :func:`.affine.decode_groups`: ``-2``, each channel over groups
+    of ``group`` slots (``zero``/``scale``: ``[batch, heads, groups, width]`` bfloat16), or ``-1``,
+    each slot in groups of ``group`` channels (``[batch, heads, slots, groups]``). ``None`` where
+    the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
     if dtype != torch.float32:
         return None
     kernels = _kernels(codes)
@@ -127,43 +141,11 @@ def _decode(
         return None
     batch, heads = codes.shape[:2]
     out = torch.empty(batch, heads, length, width, dtype=torch.float32)
-    getattr(kernels, name)(
+    getattr(kernels, KERNELS[axis])(
         out.data_ptr(), codes.data_ptr(), zero.data_ptr(), scale.data_ptr(),
         batch * heads, length, width, codes.shape[3], code_row, param_row, group, bits, torch.get_num_threads(),
     )  # fmt: skip
     return out
-
-
-def decode_channel_groups(
-    codes: torch.Tensor,
-    zero: torch.Tensor,
-    scale: torch.Tensor,
-    length: int,
-    width: int,
-    group: int,
-    bits: int,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """Slots ``[0, length)`` of codes quantised per channel over groups of ``group`` slots, as float32
-    ``[batch, heads, length, width]`` (``zero``/``scale``: ``[batch, heads, groups, width]`` bfloat16);
-    ``None`` where the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
-    return _decode("decode_channel_groups", codes, zero, scale, length, width, group, bits, dtype)
-
-
-def decode_token_groups(
-    codes: torch.Tensor,
-    zero: torch.Tensor,
-    scale: torch.Tensor,
-    length: int,
-    width: int,
-    group: int,
-    bits: int,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """Slots ``[0, length)`` of codes quantised per slot in groups of ``group`` channels, as float32
-    ``[batch, heads, length, width]`` (``zero``/``scale``: ``[batch, heads, slots, groups]`` bfloat16);
-    ``None`` where the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
-    return _decode("decode_token_groups", codes, zero, scale, length, width, group, bits, dtype)
 
 
 def overlay_entries(keys: torch.Tensor, values: torch.Tensor, native: torch.Tensor, slots: torch.Tensor, count: int) -> bool:

@@ -70,7 +70,7 @@ class TokenCodes:
         """The decoded vectors at ``slots`` (``count`` from an ``int`` start)."""
         codes, zero, scale = (take(t, slots, count) for t in self.tensors())
         if isinstance(slots, int):
-            fused = cpu_kernels.decode_token_groups(codes, zero, scale, count, self.width, self.group, self.bits, dtype)
+            fused = cpu_kernels.decode_groups(codes, zero, scale, count, self.width, self.group, -1, self.bits, dtype)
             if fused is not None:
                 return fused
         return decode_groups(unpack(codes, self.bits, self.width), zero, scale, self.group, -1, dtype)
@@ -147,7 +147,7 @@ class ChannelCodes:
         """Slots ``[0, length)`` decoded (their groups' current grids): the whole groups they touch
         are decoded in one broadcast operation, and the first ``length`` slots returned (a view)."""
         groups = -(-length // self.group)
-        decoded = cpu_kernels.decode_channel_groups(self.codes, self.zero, self.scale, length, self.width, self.group, self.bits, dtype)
+        decoded = cpu_kernels.decode_groups(self.codes, self.zero, self.scale, length, self.width, self.group, -2, self.bits, dtype)
         if decoded is None:
             codes = unpack(self.codes[:, :, : groups * self.group], self.bits, self.width)
             decoded = decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
