@@ -11,6 +11,7 @@ import torch
 from helpers import generated_logits
 from tiny_models import random_ids, tiny_llama
 
+from eval.benchmarks.runner import Contender, run
 from hf_kvpolicies import FullCache, QuantizedStorage, from_spec
 from hf_kvpolicies.storage import cpu_kernels
 from hf_kvpolicies.storage.cpu_kernels import portable
@@ -32,11 +33,13 @@ def assert_same_bits(fused, reference) -> None:
         assert torch.equal(mine, theirs)
 
 
-def streamed(bits: int, options: dict, batch: int, heads: int, width: int, tokens: int, seed: int = 0) -> QuantizedStorage:
+def streamed(
+    bits: int, options: dict, batch: int, heads: int, width: int, tokens: int, dtype: torch.dtype = torch.float32
+) -> QuantizedStorage:
     """A storage after a prefill of half of ``tokens`` and the rest appended one by one."""
-    generator = torch.Generator().manual_seed(seed)
-    keys = torch.randn(batch, heads, tokens, width, generator=generator) * torch.linspace(0.1, 8, width)
-    values = torch.randn(batch, heads, tokens, width, generator=generator)
+    generator = torch.Generator().manual_seed(0)
+    keys = (torch.randn(batch, heads, tokens, width, generator=generator) * torch.linspace(0.1, 8, width)).to(dtype)
+    values = torch.randn(batch, heads, tokens, width, generator=generator).to(dtype)
     storage = QuantizedStorage(bits, **options)
     storage.allocate(keys[:, :, :1], tokens + 8)
     half = tokens // 2
@@ -59,9 +62,10 @@ def streamed(bits: int, options: dict, batch: int, heads: int, width: int, token
     ids=("kivi", "odd-groups", "sinks", "token-keys", "token-keys-wide-group"),
 )
 @pytest.mark.parametrize("shape", ((1, 3, 64), (2, 2, 40), (3, 1, 18)), ids=("1x3x64", "2x2x40", "3x1x18"))
-def test_reads_equal_the_pytorch_operations_bit_for_bit(bits, options, shape):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_reads_equal_the_pytorch_operations_bit_for_bit(bits, options, shape, dtype):
     batch, heads, width = shape
-    storage = streamed(bits, options, batch, heads, width, tokens=75)
+    storage = streamed(bits, options, batch, heads, width, tokens=75, dtype=dtype)
     for length in (75, 60, 1):
         assert_same_bits(*both_reads(storage, lambda s: s.read(length)))
     storage.enter_static()
@@ -83,9 +87,10 @@ def test_scattered_writes_and_reordered_rows_read_the_same_bits(bits):
 
 
 @pytest.mark.parametrize("spec", ("full:storage=int4", "window:window=24,storage=int2", "snapkv:budget=24,window=8,storage=int4"))
-def test_generated_logits_equal_the_pytorch_operations(spec, one_thread):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_generated_logits_equal_the_pytorch_operations(spec, dtype, one_thread):
     """Whole decodes, eager and static steps: the kernels change no logit."""
-    model = tiny_llama()
+    model = tiny_llama().to(dtype)
     ids = random_ids(2, 30)
     options = ":group_size=8;residual=8"
     fused = generated_logits(model, ids, from_spec(model, spec + options), new_tokens=12)
@@ -97,8 +102,8 @@ def test_generated_logits_equal_the_pytorch_operations(spec, one_thread):
 def test_the_pytorch_operations_serve_where_the_kernels_cannot():
     storage = streamed(4, {}, 1, 2, 16, tokens=40)
     keys = storage.keys
-    bf16 = cpu_kernels.decode_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, -2, 4, torch.bfloat16)
-    assert bf16 is None  # a model that is not float32
+    fp16 = streamed(4, {}, 1, 2, 16, tokens=40, dtype=torch.float16).keys
+    assert cpu_kernels.decode_groups(fp16.codes, fp16.zero, fp16.scale, 40, 16, 32, -2, 4, torch.float16) is None
     strided = keys.codes[:, :, :, :4]
     assert cpu_kernels.decode_groups(strided, keys.zero, keys.scale, 40, 8, 32, -2, 4, torch.float32) is None
     assert cpu_kernels.decode_groups(keys.codes, keys.zero, keys.scale, 40, 16, 32, -2, 4, torch.float32) is not None
@@ -156,6 +161,20 @@ def test_the_environment_turns_the_kernels_off(monkeypatch):
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is None
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
+
+
+def test_benchmarks_say_which_path_integer_reads_took(monkeypatch, capsys):
+    contenders = [Contender("full", FullCache)]
+    run(contenders, ppl_tokens=0, contexts=[], progress=False)
+    assert "integer storage reads through its CPU kernels;" in capsys.readouterr().out
+    monkeypatch.setenv("HF_KVPOLICIES_CPU_KERNELS", "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        run(contenders, ppl_tokens=0, contexts=[], progress=False)
+        assert "integer storage reads through PyTorch operations;" in capsys.readouterr().out
     finally:
         monkeypatch.undo()
         cpu_kernels.library.cache_clear()

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from hf_kvpolicies import from_spec
+from hf_kvpolicies.storage import cpu_kernels
 
 from ..budgets import expand
 from ..data import embedded_text, embedded_text_version, tokenize
@@ -105,10 +106,12 @@ def run(
     if contenders[0].figures:  # nothing to tabulate when both timing and perplexity are skipped
         print(table(contenders))
     timed = f", {rounds} rounds x {steps} decode steps" if contexts else ""
+    kernels = model.device.type == "cpu" and cpu_kernels.library() is not None
     print(
         f"\nmodel {model_name}, text {embedded_text_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads{timed}; ratios vs {contenders[0].label}",
+        f"{torch.get_num_threads()} threads{timed}, integer storage reads through "
+        f"{'its CPU kernels' if kernels else 'PyTorch operations'}; ratios vs {contenders[0].label}",
         file=sys.stdout,
     )
     return contenders

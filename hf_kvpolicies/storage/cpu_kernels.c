@@ -6,6 +6,7 @@
  * points and scales are bfloat16. A number reads back as zero + code * scale in float32: the
  * product is exact, so the sum is the one rounding of the definition, as in PyTorch. */
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_WIDTH 1024
 
@@ -78,21 +79,20 @@ void decode_token_groups(float *restrict out, const uint8_t *restrict codes, con
 }
 
 /* The residual laid over decoded slots: entry i < count of row r, shadowing slot slots[r, i] in
- * [0, length), writes its key and value (held side by side) there; other entries write nothing. */
-void overlay_entries(float *restrict keys, float *restrict values, const float *restrict native,
+ * [0, length), writes its key and value (held side by side) there; other entries write nothing.
+ * Elements are copied as they are, `element` bytes each (any dtype). */
+void overlay_entries(char *restrict keys, char *restrict values, const char *restrict native,
                      const int64_t *restrict slots, int64_t rows, int64_t length, int64_t key_width,
-                     int64_t value_width, int64_t size, int64_t count, int64_t threads) {
-    const int64_t width = key_width + value_width;
+                     int64_t value_width, int64_t size, int64_t count, int64_t element, int64_t threads) {
+    const int64_t key_bytes = key_width * element, value_bytes = value_width * element;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = 0; i < count; i++) {
             const int64_t slot = slots[r * size + i];
             if (slot < 0 || slot >= length) continue;
-            const float *restrict entry = native + (r * size + i) * width;
-            float *restrict key = keys + (r * length + slot) * key_width;
-            float *restrict value = values + (r * length + slot) * value_width;
-            for (int64_t c = 0; c < key_width; c++) key[c] = entry[c];
-            for (int64_t c = 0; c < value_width; c++) value[c] = entry[key_width + c];
+            const char *entry = native + (r * size + i) * (key_bytes + value_bytes);
+            memcpy(keys + (r * length + slot) * key_bytes, entry, (size_t)key_bytes);
+            memcpy(values + (r * length + slot) * value_bytes, entry + key_bytes, (size_t)value_bytes);
         }
     }
 }

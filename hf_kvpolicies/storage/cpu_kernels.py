@@ -10,7 +10,7 @@ rounding), and give the same bits as the PyTorch operations (``tests/test_cpu_ke
 They are built on first use with the system's C compiler (``$CC``, else ``cc``) into
 ``$HF_KVPOLICIES_CACHE`` (default ``~/.cache/hf_kvpolicies``) and run on the OpenMP runtime that
 PyTorch has loaded, with ``torch.get_num_threads()`` threads. The PyTorch operations run instead
-wherever the kernels cannot serve: no compiler, a tensor off the CPU, a model that is not float32,
+wherever the kernels cannot serve: no compiler, a tensor off the CPU, a model in float16,
 a residual that carries gradients, a step traced by ``torch.compile``, or
 ``HF_KVPOLICIES_CPU_KERNELS=0`` in the environment (or :func:`portable` in the code).
 """
@@ -86,7 +86,7 @@ def library() -> ctypes.CDLL | None:
     pointers, integers = [ctypes.c_void_p] * 4, [ctypes.c_int64] * 9
     kernels.decode_channel_groups.argtypes = pointers + integers
     kernels.decode_token_groups.argtypes = pointers + integers
-    kernels.overlay_entries.argtypes = pointers + [ctypes.c_int64] * 7
+    kernels.overlay_entries.argtypes = pointers + [ctypes.c_int64] * 8
     for function in (kernels.decode_channel_groups, kernels.decode_token_groups, kernels.overlay_entries):
         function.restype = None
     return kernels
@@ -126,12 +126,13 @@ def decode_groups(
     bits: int,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:
-    """Slots ``[0, length)`` of ``codes`` decoded, as float32 ``[batch, heads, length, width]``; the
+    """Slots ``[0, length)`` of ``codes`` decoded into ``[batch, heads, length, width]``; the
     groups run along ``axis`` as in :func:`.affine.decode_groups`: ``-2``, each channel over groups
     of ``group`` slots (``zero``/``scale``: ``[batch, heads, groups, width]`` bfloat16), or ``-1``,
-    each slot in groups of ``group`` channels (``[batch, heads, slots, groups]``). ``None`` where
-    the kernels cannot serve (or ``dtype``, the model's, is not float32)."""
-    if dtype != torch.float32:
+    each slot in groups of ``group`` channels (``[batch, heads, slots, groups]``), then cast to
+    ``dtype`` (the model's) as the PyTorch operations cast it. ``None`` where the kernels cannot
+    serve: a model in float16 (its zero points and scales are float16) or off the CPU."""
+    if dtype not in (torch.float32, torch.bfloat16):
         return None
     kernels = _kernels(codes)
     code_row, param_row = _row_stride(codes), _row_stride(zero)
@@ -145,16 +146,16 @@ def decode_groups(
         out.data_ptr(), codes.data_ptr(), zero.data_ptr(), scale.data_ptr(),
         batch * heads, length, width, codes.shape[3], code_row, param_row, group, bits, torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return out.to(dtype)
 
 
 def overlay_entries(keys: torch.Tensor, values: torch.Tensor, native: torch.Tensor, slots: torch.Tensor, count: int) -> bool:
     """Write the first ``count`` residual entries (``native``: ``[batch, heads, size, key + value
-    width]``, the slot each shadows in ``slots``, ``-1`` for none) over contiguous float32 ``keys``
-    and ``values``, skipping slots outside them; ``False`` (nothing written) where the kernels
-    cannot serve, or autograd must see the entries written."""
+    width]``, the slot each shadows in ``slots``, ``-1`` for none) over contiguous ``keys`` and
+    ``values`` of its dtype, skipping slots outside them; ``False`` (nothing written) where the
+    kernels cannot serve, or autograd must see the entries written."""
     kernels = _kernels(keys, native)
-    if kernels is None or keys.dtype != torch.float32 or values.dtype != torch.float32 or native.dtype != torch.float32:
+    if kernels is None or not keys.dtype == values.dtype == native.dtype:
         return False
     if not (keys.is_contiguous() and values.is_contiguous() and native.is_contiguous() and slots.is_contiguous()):
         return False
@@ -162,7 +163,7 @@ def overlay_entries(keys: torch.Tensor, values: torch.Tensor, native: torch.Tens
         return False
     batch, heads, length, key_width = keys.shape
     kernels.overlay_entries(
-        keys.data_ptr(), values.data_ptr(), native.data_ptr(), slots.data_ptr(),
-        batch * heads, length, key_width, values.shape[3], native.shape[2], count, torch.get_num_threads(),
+        keys.data_ptr(), values.data_ptr(), native.data_ptr(), slots.data_ptr(), batch * heads, length, key_width,
+        values.shape[3], native.shape[2], count, keys.element_size(), torch.get_num_threads(),
     )  # fmt: skip
     return True
