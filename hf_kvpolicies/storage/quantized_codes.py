@@ -144,11 +144,12 @@ class ChannelCodes:
             self.sink_keys.copy_(torch.where(match.any(dim=-1, keepdim=True), given, self.sink_keys))
 
     def read(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slots ``[0, length)`` decoded (their groups' current grids): the whole groups they touch
-        are decoded in one broadcast operation, and the first ``length`` slots returned (a view)."""
-        groups = -(-length // self.group)
+        """Slots ``[0, length)`` decoded (their groups' current grids), by the CPU kernels where they
+        serve; otherwise the whole groups they touch are decoded in one broadcast operation and the
+        first ``length`` slots returned (a view)."""
         decoded = cpu_kernels.decode_groups(self.codes, self.zero, self.scale, length, self.width, self.group, -2, self.bits, dtype)
         if decoded is None:
+            groups = -(-length // self.group)
             codes = unpack(self.codes[:, :, : groups * self.group], self.bits, self.width)
             decoded = decode_groups(codes, self.zero[:, :, :groups], self.scale[:, :, :groups], self.group, -2, dtype)
         sinks = min(self.sinks, length)

@@ -189,7 +189,8 @@ class NativeResidual:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``[0, length)`` decoded by the storage, with the shadowed ones made native.
         ``paired``: ``[batch, heads, length, 2, dim]``, a view of ``keys`` and ``values`` decoded
-        into one buffer (equal widths), which then take the entries in one scatter."""
+        into one buffer (equal widths), which then take the entries in one scatter. On the CPU,
+        unpaired buffers take them in place through :func:`.cpu_kernels.overlay_entries`."""
         if not self.held:
             return keys, values
         if paired is None and cpu_kernels.overlay_entries(keys, values, self.values, self.slots, self.held):
