@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import generated_logits
+from helpers import generated_logits, left_padded
 from tiny_models import random_ids, tiny_llama
 
 from eval.benchmarks.runner import Contender, run
@@ -89,13 +89,13 @@ def test_scattered_writes_and_reordered_rows_read_the_same_bits(bits):
 @pytest.mark.parametrize("spec", ("full:storage=int4", "window:window=24,storage=int2", "snapkv:budget=24,window=8,storage=int4"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_generated_logits_equal_the_pytorch_operations(spec, dtype, one_thread):
-    """Whole decodes, eager and static steps: the kernels change no logit."""
+    """Whole decodes of a left-padded batch, eager and static steps: the kernels change no logit."""
     model = tiny_llama().to(dtype)
-    ids = random_ids(2, 30)
+    ids, mask = left_padded([random_ids(1, 30), random_ids(1, 22)])
     options = ":group_size=8;residual=8"
-    fused = generated_logits(model, ids, from_spec(model, spec + options), new_tokens=12)
+    fused = generated_logits(model, ids, from_spec(model, spec + options), new_tokens=12, attention_mask=mask)
     with portable():
-        reference = generated_logits(model, ids, from_spec(model, spec + options), new_tokens=12)
+        reference = generated_logits(model, ids, from_spec(model, spec + options), new_tokens=12, attention_mask=mask)
     assert torch.equal(fused, reference)
 
 
@@ -178,3 +178,16 @@ def test_benchmarks_say_which_path_integer_reads_took(monkeypatch, capsys):
     finally:
         monkeypatch.undo()
         cpu_kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("bits", (4, 2))
+def test_keys_and_values_of_different_widths_read_the_same_bits(bits):
+    """Multi-head latent attention's layout: keys wider than values (each decoded by its own width)."""
+    generator = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(2, 2, 50, 48, generator=generator), torch.randn(2, 2, 50, 32, generator=generator)
+    storage = QuantizedStorage(bits, group_size=8, residual=8)
+    storage.allocate(keys[:, :, :1], 56, value_dim=32)
+    storage.write(0, keys[:, :, :30], values[:, :, :30])
+    for slot in range(30, 50):
+        storage.write(slot, keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+    assert_same_bits(*both_reads(storage, lambda s: s.read(50)))
