@@ -191,3 +191,12 @@ def test_keys_and_values_of_different_widths_read_the_same_bits(bits):
     for slot in range(30, 50):
         storage.write(slot, keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
     assert_same_bits(*both_reads(storage, lambda s: s.read(50)))
+
+
+def test_the_kernels_say_which_models_they_serve():
+    cpu = torch.device("cpu")
+    assert cpu_kernels.serves(cpu, torch.float32) and cpu_kernels.serves(cpu, torch.bfloat16)
+    assert not cpu_kernels.serves(cpu, torch.float16)
+    assert not cpu_kernels.serves(torch.device("meta"), torch.float32)
+    with portable():
+        assert not cpu_kernels.serves(cpu, torch.float32)

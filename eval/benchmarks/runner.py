@@ -106,7 +106,7 @@ def run(
     if contenders[0].figures:  # nothing to tabulate when both timing and perplexity are skipped
         print(table(contenders))
     timed = f", {rounds} rounds x {steps} decode steps" if contexts else ""
-    kernels = model.device.type == "cpu" and cpu_kernels.library() is not None
+    kernels = cpu_kernels.serves(model.device, model.dtype)
     print(
         f"\nmodel {model_name}, text {embedded_text_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}, "

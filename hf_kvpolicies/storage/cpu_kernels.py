@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 MAX_WIDTH = 1024  # the kernels' per-thread buffers (MAX_WIDTH in cpu_kernels.c)
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Models whose integer reads the kernels decode (a float16 model's zero points and scales are float16)."""
 
 _enabled = True  # False inside portable()
 
@@ -92,11 +94,16 @@ def library() -> ctypes.CDLL | None:
     return kernels
 
 
-def _kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernels, where they may serve these tensors: on the CPU, outside tracing."""
-    if not _enabled or torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+def _kernels(*devices: torch.device) -> ctypes.CDLL | None:
+    """The kernels, where they may serve tensors on ``devices``: on the CPU, outside tracing."""
+    if not _enabled or torch.compiler.is_compiling() or any(device.type != "cpu" for device in devices):
         return None
     return library()
+
+
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model of ``dtype`` on ``device`` has its integer reads decoded by the kernels."""
+    return dtype in MODEL_DTYPES and _kernels(device) is not None
 
 
 def _row_stride(tensor: torch.Tensor) -> int | None:
@@ -132,9 +139,9 @@ def decode_groups(
     each slot in groups of ``group`` channels (``[batch, heads, slots, groups]``), then cast to
     ``dtype`` (the model's) as the PyTorch operations cast it. ``None`` where the kernels cannot
     serve: a model in float16 (its zero points and scales are float16) or off the CPU."""
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in MODEL_DTYPES:
         return None
-    kernels = _kernels(codes)
+    kernels = _kernels(codes.device)
     code_row, param_row = _row_stride(codes), _row_stride(zero)
     if kernels is None or code_row is None or param_row is None or param_row != _row_stride(scale):
         return None
@@ -154,7 +161,7 @@ def overlay_entries(keys: torch.Tensor, values: torch.Tensor, native: torch.Tens
     width]``, the slot each shadows in ``slots``, ``-1`` for none) over contiguous ``keys`` and
     ``values`` of its dtype, skipping slots outside them; ``False`` (nothing written) where the
     kernels cannot serve, or autograd must see the entries written."""
-    kernels = _kernels(keys, native)
+    kernels = _kernels(keys.device, native.device)
     if kernels is None or not keys.dtype == values.dtype == native.dtype:
         return False
     if not (keys.is_contiguous() and values.is_contiguous() and native.is_contiguous() and slots.is_contiguous()):
