@@ -29,6 +29,12 @@ def shares_one_key_row(keys: torch.Tensor) -> bool:
     return keys.shape[1] > 1 and keys.stride(1) == 0
 
 
+def lowest_logit(dtype: torch.dtype) -> float:
+    """The logit a hidden key takes: the lowest finite one of ``dtype`` that stays finite in the
+    fp32 softmax (float64's would become ``-inf`` there, and a query that sees only pads ``NaN``)."""
+    return max(torch.finfo(dtype).min, torch.finfo(torch.float32).min)
+
+
 def query_probabilities(
     query: torch.Tensor, keys: torch.Tensor, scaling: float, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -44,7 +50,7 @@ def query_probabilities(
         rows = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
     logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scaling).view(batch, kv_heads, -1, key_count)
     if key_mask is not None:  # the lowest finite logit, as attention_chunks
-        logits = torch.where(key_mask[:, :, None], logits, torch.finfo(logits.dtype).min)
+        logits = torch.where(key_mask[:, :, None], logits, lowest_logit(logits.dtype))
     return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
@@ -87,7 +93,7 @@ def attention_chunks(
             logits = torch.matmul(rows, keys[:, :, :end].transpose(-1, -2)).mul_(scaling)
         logits = logits.view(batch, kv_heads, groups, stop - start, end)
         if key_mask is not None:  # the lowest finite logit: a query that sees only pads stays finite
-            logits.masked_fill_(~key_mask[:, :, None, None, :end], torch.finfo(logits.dtype).min)
+            logits.masked_fill_(~key_mask[:, :, None, None, :end], lowest_logit(logits.dtype))
         if stop - start > 1:  # the chunk's own keys: each query sees those up to itself (in place, one block)
             future = torch.ones(stop - start, stop - start, dtype=torch.bool, device=keys.device).triu(1)
             logits[..., first_new + start : end].masked_fill_(future, float("-inf"))

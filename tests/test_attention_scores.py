@@ -131,3 +131,19 @@ def test_hooks_are_installed_once_and_other_caches_are_unchanged():
     assert hook_counts(model) == [(0, 0)] * 3
     H2OCache(model, heavy=4, recent=4)  # a new cache installs them again
     assert hook_counts(model) == [(1, 1)] * 3
+
+
+def test_a_query_that_sees_only_hidden_keys_stays_finite_in_every_dtype():
+    """A row whose keys are all hidden (a pad query of a padded batch) gets finite probabilities in
+    float64 too, whose lowest logit would become ``-inf`` in the float32 softmax (``NaN`` out)."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(2, 4, 3, 8, generator=generator).to(dtype)
+        keys = torch.randn(2, 2, 10, 8, generator=generator).to(dtype)
+        key_mask = torch.ones(2, 2, 10, dtype=torch.bool)
+        key_mask[1] = False  # the second row sees no key at all
+        chunks = [probs for _, _, probs in attention_chunks(query, keys, 0.3, 7, key_mask)]
+        one = query_probabilities(query[:, :, -1:], keys, 0.3, key_mask)
+        for probs in (*chunks, one):
+            assert torch.isfinite(probs).all(), dtype
+        torch.testing.assert_close(one[0].sum(-1), torch.ones_like(one[0].sum(-1)))
