@@ -18,6 +18,7 @@ from .masks import (
     causal_with_padding,
     check_mask_format,
     masks_by_layer_type,
+    padding_of,
     per_query_head,
     prompt_padding,
     to_attention_format,
@@ -378,6 +379,8 @@ class PolicyCache(Cache):
         if inputs.shape[1] > 1 and any(layer.retention.computes_attention() for layer in self.layers):
             forward.causal = causal_with_padding(attention_mask, self.get_seq_length())
         if all(layer.retention.in_position_order for layer in self.layers):
+            if inputs.shape[1] > 1 and any(getattr(layer, "storage", None) is not None and layer.storage.keeps_pads_out for layer in self.layers):
+                forward.padding = padding_of(attention_mask, self.get_seq_length())  # the model's mask is right
             return hooks.UNCHANGED
         padding, query_length = attention_mask, inputs.shape[1]
         if query_length > 1 and self.get_seq_length() == 0:

@@ -47,6 +47,15 @@ def prompt_padding(mask: Any) -> Any:
     return full_attention_mask(mask) if visible is None else visible.any(dim=-2)
 
 
+def padding_of(mask: Any, past: int) -> torch.Tensor | None:
+    """bool ``[batch, past + q]``: a forward's 2-D padding where some row has pads (``None`` where
+    none has, or where the mask is not padding: a 4-D mask of one's own after a prefill)."""
+    padding = prompt_padding(mask) if past == 0 else mask
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 2 or bool(padding.all()):
+        return None
+    return padding.to(torch.bool)
+
+
 def causal_with_padding(mask: Any, past: int) -> bool:
     """Whether a multi-token forward's mask (as the forward got it: none, 2-D padding, 4-D, or
     ``{layer_type: 4-D}``) shows each real query exactly the real keys up to its own position, all

@@ -43,13 +43,13 @@ class FakeFP8Storage(NativeStorage):
     """Native storage holding exactly the numbers an fp8 storage without residual returns: running a
     policy on it and on ``FP8Storage(residual=0)`` must give the same tokens, positions and logits."""
 
-    def write(self, slots, keys, values) -> None:
+    def write(self, slots, keys, values, ranks=None) -> None:
         super().write(slots, fake_quantised(E4M3, keys), fake_quantised(E4M3, values))
 
     def rewrite_keys_static(self, slots, keys, values) -> None:
         super().rewrite_keys_static(slots, fake_quantised(E4M3, keys), values)
 
-    def as_written(self, keys, values):
+    def as_written(self, keys, values, ranks=None):
         return fake_quantised(E4M3, keys), fake_quantised(E4M3, values)
 
 

@@ -75,7 +75,7 @@ class NaiveQuantized(NativeStorage):
         super().grow(capacity)  # allocates anew, then copies the slots
         self.order = order
 
-    def write(self, slots, keys, values, push: bool = True) -> None:
+    def write(self, slots, keys, values, ranks=None, push: bool = True) -> None:
         super().write(slots, keys, values)
         if isinstance(slots, int):
             written = list(range(slots, slots + keys.shape[-2]))
@@ -120,7 +120,7 @@ class NaiveQuantized(NativeStorage):
         keys, values = self.read(self.capacity)
         return NativeStorage.gather(_Held(keys, values), slots)
 
-    def as_written(self, keys, values):
+    def as_written(self, keys, values, ranks=None):
         empty = NaiveQuantized(self.bits, self.group, self.residual, self.key_axis, self.sinks)
         empty.allocate(keys, keys.shape[-2], values.shape[-1])
         empty.write(0, keys, values)
@@ -426,14 +426,12 @@ def test_scattered_writes_follow_the_group_rules(bits, static):
 # --- padded batches and beams -------------------------------------------------------------------
 PADDED = (40, 9, 25)
 """Rows over and under the budget of 16: one batch mixes prompts trimmed and written in place."""
-BY_POSITION = ("full", "window", "sink")
-"""Retentions that keep tokens by position alone: a padded row keeps the same tokens as alone."""
 
 
-def padded_differences(name: str, options: str, steps: int) -> tuple[list[float], list[float]]:
+def padded_differences(name: str, options: str, steps: int, dtype: torch.dtype = torch.float32) -> tuple[list[float], list[float]]:
     """Per row: the largest logit difference between the row in a left-padded batch and the row
     alone, and between the row alone and the same policy in native storage."""
-    model = tiny_qwen3()
+    model = tiny_qwen3().to(dtype)
     rows = [random_ids(1, n, seed=i + 1) for i, n in enumerate(PADDED)]
     ids, mask = left_padded(rows)
     batch = generated_logits(model, ids, build(model, name, options, budget=16), steps, attention_mask=mask)
@@ -452,19 +450,36 @@ def test_padded_batch_with_token_keys_equals_each_row_alone(name, one_thread):
     assert max(differences) < 1e-5 and min(errors) > 1e-3, (differences, errors)
 
 
+@pytest.mark.parametrize("options", ["int4:residual=4;group_size=4", "int2:residual=4;group_size=4", "int8:residual=4;group_size=4", "int4"])
 @pytest.mark.parametrize("name", storage_policies())
-def test_padded_batch_with_channel_keys_is_within_the_quantisation_error(name, one_thread):
-    """Channel groups run along slots, and a left-padded row's tokens sit in other slots than alone
-    (and share a group with its pads), so they are grouped differently: the row differs from
-    itself alone by at most what quantisation changes anyway (its own difference from native
-    storage). A policy that keeps by position keeps the same tokens, so that holds at every step;
-    a scored policy's evictions may tip at near-ties after that, so the first answer token holds
-    it (the prompt's forward decides it) and the rest must run."""
-    steps = 8 if name in BY_POSITION else 1
-    differences, errors = padded_differences(name, "int4:residual=4;group_size=4", steps)
-    assert all(0 < d <= e for d, e in zip(differences, errors)), (differences, errors)
-    if name not in BY_POSITION:
-        padded_differences(name, "int4:residual=4;group_size=4", steps=8)
+def test_padded_batch_with_channel_keys_equals_each_row_alone(name, options, one_thread):
+    """Channel groups span slots, and a left-padded row's tokens sit in other slots than alone, beside
+    its pads: the storage groups each row's own tokens in the order the row alone writes them,
+    pads left out, so each row is held, and read, as it is alone. In float64, where the model's
+    own batch noise (~1e-7 in float32) cannot tip a code across a rounding boundary, exactly; the
+    differences from native storage show that quantisation is at work (with the default residual
+    of 32, on the row over it)."""
+    differences, errors = padded_differences(name, options, steps=8, dtype=torch.float64)
+    assert max(differences) < 1e-6 and max(errors) > 1e-3, (differences, errors)
+
+
+PADDED_SINK_BOUND = 1e-2
+"""Where a padded row's pads and sink copies take residual entries its run alone does not (a ring
+no longer than the residual, a row shorter than its sinks), some of its sinks leave native
+precision at other steps than alone: the row differs by the int4 error of those few tokens."""
+
+
+def test_padded_sinks_beside_a_longer_residual_stay_within_the_bound(one_thread):
+    """``sink_tokens=12, window=20`` beside int4's residual of 32, rows of 50, 11 (fewer real
+    tokens than sinks), 30 and 24 tokens, in float64: each row within the bound of itself alone,
+    the unpadded row exactly."""
+    model = tiny_qwen3().to(torch.float64)
+    rows = [random_ids(1, n, seed=i + 1) for i, n in enumerate((50, 11, 30, 24))]
+    ids, mask = left_padded(rows)
+    spec = "sink:sink_tokens=12,window=20,storage=int4"
+    batch = generated_logits(model, ids, from_spec(model, spec), 8, attention_mask=mask)
+    differences = [float((batch[i] - generated_logits(model, row, from_spec(model, spec), 8)[0]).abs().max()) for i, row in enumerate(rows)]
+    assert differences[0] < 1e-6 and max(differences) < PADDED_SINK_BOUND, differences
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..storage import Storage
-from ..storage.base import SlotIndex
+from ..storage.base import SlotIndex, real_ranks
 from .counts import Counts
 
 
@@ -175,22 +175,25 @@ class Retention(ABC):
             storage.allocate(keys, self.capacity(q), value_dim=values.shape[-1])
             self.slot_pos = torch.full((storage.capacity,), -1, dtype=torch.long)
         slots = self.plan(q)
+        new = torch.arange(self.seen, self.seen + q)
         if slots is not None:
             self._ensure_capacity(storage, slots, q)
-            storage.write(slots, keys, values)
+            storage.write(slots, keys, values, ranks=None if q == 1 else self.write_ranks(padding, new))
             self._record(slots, q)
             return storage.read(self.live)
         kept = self.kept_slots()
         old_keys, old_values = storage.gather(kept.to(storage.device))
         all_keys = torch.cat([old_keys, keys], dim=-2)
         all_values = torch.cat([old_values, values], dim=-2)
-        positions = torch.cat([self.slot_pos[kept], torch.arange(self.seen, self.seen + q)])
+        positions = torch.cat([self.slot_pos[kept], new])
         stay = self.select(positions)
         stay_dev = stay.to(storage.device)
         # store the new tokens as they came (fp8's residual keeps the newest natively) ...
-        storage.write(0, all_keys.index_select(2, stay_dev), all_values.index_select(2, stay_dev))
+        ranks = self.write_ranks(padding, positions[stay])
+        storage.write(0, all_keys.index_select(2, stay_dev), all_values.index_select(2, stay_dev), ranks=ranks)
         # ... but attend to them as the storage holds them, as a write then a read would give
-        seen_keys, seen_values = storage.as_written(keys, values)
+        new_ranks = None if padding is None else real_ranks(padding[:, self.seen : self.seen + q].to(torch.bool))
+        seen_keys, seen_values = storage.as_written(keys, values, ranks=new_ranks)
         if seen_keys is not keys:
             all_keys = torch.cat([old_keys, seen_keys], dim=-2)
             all_values = torch.cat([old_values, seen_values], dim=-2)
@@ -200,6 +203,14 @@ class Retention(ABC):
         self.seen += q
         self._after_trim()
         return all_keys, all_values
+
+    def write_ranks(self, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`~hf_kvpolicies.storage.base.Storage.write`'s ``ranks`` for tokens at ``positions``
+        (host, in the order written) of a padded batch: its real tokens in that order (``None``
+        for an unpadded batch)."""
+        if padding is None:
+            return None
+        return real_ranks(padding[:, positions.to(padding.device)].to(torch.bool))
 
     def returned_length(self, q: int) -> int:
         """Number of keys the next ``update`` with ``q`` tokens returns (``get_mask_sizes``)."""

@@ -187,7 +187,7 @@ class PerHead(HeadLayout):
         slots = r.plan(keys.shape[-2])
         if not storage.is_allocated:
             r.allocate(storage, keys, r.budget + 1, value_dim=values.shape[-1])
-        storage.write(slots, keys, values)
+        storage.write(slots, keys, values, ranks=r.ranks_among(new_positions))
         r.record(slots, new_positions, keys.shape[-2])
         all_keys, all_values = storage.read(r.live)
         positions = r.positions[..., : r.live]
@@ -206,8 +206,10 @@ class PerHead(HeadLayout):
         keys, values = pending.to_store
         if not storage.is_allocated:
             r.allocate(storage, keys, r.budget + 1, value_dim=values.shape[-1])
-        storage.write(0, keys.gather(2, expand_slots(stay, keys)), values.gather(2, expand_slots(stay, values)))
-        r.positions[..., :count] = pending.positions.gather(-1, stay)
+        kept = pending.positions.gather(-1, stay)
+        ranks = r.ranks_among(kept if unused is None else kept.masked_fill(unused, UNUSED), uneven=unused is not None)
+        storage.write(0, keys.gather(2, expand_slots(stay, keys)), values.gather(2, expand_slots(stay, values)), ranks=ranks)
+        r.positions[..., :count] = kept
         if unused is not None:
             r.positions[..., :count].masked_fill_(unused, UNUSED)
         r.positions[..., count:] = -1
@@ -360,9 +362,11 @@ class PooledHeads(HeadLayout):
         if not storage.is_allocated or storage.capacity != capacity:
             r.allocate(storage, pending.keys[:, :1], capacity, heads, value_dim=pending.values.shape[-1])
         keys, values = (take_flat(t.movedim(-1, -2), chosen).movedim(-2, -1) for t in pending.to_store)
-        storage.write(0, keys[:, None], values[:, None])
+        kept = take_flat(pending.positions, chosen)
+        ranks = r.ranks_among(kept if unused is None else kept.masked_fill(unused, UNUSED), uneven=unused is not None)
+        storage.write(0, keys[:, None], values[:, None], ranks=ranks)
         head = chosen // k
-        r.positions[..., :count] = owned_by_head(take_flat(pending.positions, chosen), head, heads, -1)
+        r.positions[..., :count] = owned_by_head(kept, head, heads, -1)
         if unused is not None:  # a slot no row of its own budget uses belongs to no head
             r.positions[..., :count].masked_fill_(unused[:, None], UNUSED)
         r.positions[..., count:] = -1

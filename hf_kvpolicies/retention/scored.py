@@ -45,7 +45,7 @@ import torch
 from ..attention_scores import new_attention_output
 from ..hooks import ALL_QUERIES
 from ..storage import Storage
-from ..storage.base import SlotIndex
+from ..storage.base import SlotIndex, real_ranks
 from .base import Retention
 from .chunks import chunk_ranking
 from .head_layouts import UNUSED, HeadLayout, PerHead
@@ -529,13 +529,22 @@ class ScoredRetention(Retention):
         real = padding[:, self.seen :].to(keys.device)
         return positions.masked_fill(~real[:, None, :], -1)
 
+    def ranks_among(self, positions: torch.Tensor | int, uneven: bool = False) -> torch.Tensor | None:
+        """:meth:`~hf_kvpolicies.storage.base.Storage.write`'s ``ranks`` for tokens written together
+        at ``positions`` (``[batch, heads, q]``; below 0: pads, unused slots), in the order written;
+        ``None`` for one decoded token (always real), or an unpadded batch whose rows keep alike
+        (``uneven``: some leave slots unused, and arrange the others as they do alone)."""
+        if isinstance(positions, int) or not (self.padded or uneven) or positions.shape[-1] == 1 and not uneven:
+            return None
+        return real_ranks(positions >= 0)
+
     def _attend_then_score(self, storage, keys, values, new_positions, query, scaling):
         batch, heads, q = keys.shape[:3]
         if isinstance(new_positions, int):
             new_positions = torch.full((batch, heads, q), new_positions, device=keys.device)
         # attention sees the new tokens as the storage will hold them (a write then a read: fp8
         # rounds all but its residual), as a forward written in place does; the trim stores them as they came
-        seen_keys, seen_values = storage.as_written(keys, values)
+        seen_keys, seen_values = storage.as_written(keys, values, ranks=self.ranks_among(new_positions))
         arrived = None
         if storage.is_allocated:
             old_keys, old_values, old_positions, old_scores, old_extra = self.layout.kept_state(self, storage)

@@ -17,7 +17,10 @@ Two things a plain ring with ``sinks > 0`` does not do:
   ``min(p, sinks)`` sink slots, and slot ``j`` of that row receives the token at position
   ``j + max(p, sinks)`` (one of the row's sinks) as it arrives. The slot stays masked until that
   token leaves the ring, so no token is ever seen twice. The pad count comes from the first
-  forward's padding; rotation offsets are per row (``e - p``, the row's own evictions).
+  forward's padding; rotation offsets are per row (``e - p``, the row's own evictions). Where the
+  storage groups each row's tokens (integer storage with keys per channel), the sinks that arrive
+  with the prompt are stored in their sink slots with it and seen there from the next forward on,
+  their copies in the ring hidden: the row's groups then hold what they hold when it is alone.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ class SinkRetention(RingRetention):
         self._stale = False  # sink copies changed since they were last written to the storage
         self._offset: int | torch.Tensor = 0  # rotation the stored sinks carry
         self._sink_turned: torch.Tensor | None = None  # static steps: rotate_half of the sinks as they arrived
+        self._attend_first = False
+        """A padded batch's prompt, where the storage groups each row's tokens (channel keys): each
+        row's displaced sinks are stored in its sink slots with the prompt, where the row alone
+        holds them, so the prompt is attended as it came, then stored (:meth:`plan`)."""
+        self._placed_end = 0
+        """Positions below which the displaced sinks went to their sink slots with the prompt (and
+        are seen there, their copies in the ring not)."""
 
     @property
     def keeps_by_position(self) -> bool:
@@ -91,7 +101,14 @@ class SinkRetention(RingRetention):
         # tokens this forward's keys leave out: the sinks must sit just before the oldest kept one
         evicted = self.seen + q - self.returned_length(q)
         self._write_sinks(storage, evicted)  # before the read or gather that attention uses
-        out = super().update(storage, keys, values, padding, query)
+        self._attend_first = self._padded and self.seen == 0 and q > self.sinks and storage.keeps_pads_out
+        if self._attend_first:
+            keys, values = self._sinks_in_place(keys, values)
+            self._placed_end = q
+        try:
+            out = super().update(storage, keys, values, padding, query)
+        finally:
+            self._attend_first = False
         if self._stale:  # displaced sinks that arrived before all sink slots were filled
             self._write_sinks(storage, evicted)
         return out
@@ -135,17 +152,47 @@ class SinkRetention(RingRetention):
         if self.rotary is not None and steps:
             self._offset = max(0, self.seen - self.ring_capacity)  # the last step's rotation
 
+    def plan(self, q: int):
+        return None if self._attend_first else super().plan(q)
+
+    def write_ranks(self, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+        """A padded row's tokens in the order the row alone writes them: its sinks first, in its own
+        order (sink slot ``j`` holds the row's sink ``(j - min(p, sinks)) mod sinks``), then the
+        ring's tokens by position, leaving out pads and the ring's copies of displaced sinks (a row
+        alone holds each sink once, in its sink slot)."""
+        if padding is None or not self._padded:
+            return super().write_ranks(padding, positions)
+        device, sinks = padding.device, self.sinks
+        pads = self.pads.to(device).view(-1, 1)
+        position = positions.to(device).view(1, -1)
+        real = padding[:, positions.to(device)].to(torch.bool)
+        displaced_from = pads.clamp(min=sinks)  # where a row's sinks beyond the sink slots begin
+        in_sink_slot = position < sinks
+        placed_with_prompt = (position < pads) & (position + displaced_from < self._placed_end)
+        ring_copy = (position >= displaced_from) & (position < pads + sinks) & (position < self._placed_end)
+        held = torch.where(in_sink_slot, real | placed_with_prompt, real & ~ring_copy)
+        order = torch.where(in_sink_slot, (position - pads.clamp(max=sinks)).remainder(sinks), sinks + position)
+        rank = order.masked_fill(~held, sinks + int(positions.max()) + 1).argsort(dim=-1).argsort(dim=-1)
+        return rank.masked_fill(~held, -1)
+
     def real_keys(self, padding: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """Also shows a padded row's sink slot once the sink it received has left the ring."""
+        """A padded row's displaced sinks are seen once each: those stored with the prompt in its
+        sink slots (where the row alone holds them), their copies in the ring hidden; any later
+        one in the ring while it stays there, then in its sink slot."""
         real = super().real_keys(padding, key_pos)
         if not self._padded or key_pos.numel() <= self.sinks:
             return real
-        ring = key_pos[self.sinks :]
+        sinks, pads = self.sinks, self.pads[:, None]
+        displaced_from = pads.clamp(min=sinks)
+        slot = torch.arange(sinks)
+        received = displaced_from + slot
+        ring = key_pos[sinks:]
         floor = int(ring[ring >= 0].min())
-        slot = torch.arange(self.sinks)
-        received = self.pads.clamp(min=self.sinks)[:, None] + slot
-        shown = (slot < self.pads[:, None]) & (received < floor)
-        real[:, : self.sinks] |= shown.to(real.device)
+        with_prompt = received < min(self._placed_end, self.seen)
+        shown = (slot < pads) & torch.where(with_prompt, True, received < floor)
+        copies = (ring >= displaced_from) & (ring < pads + sinks) & (ring < min(self._placed_end, self.seen))
+        real[:, :sinks] |= shown.to(real.device)
+        real[:, sinks:] &= ~copies.to(real.device)
         return real
 
     def reorder(self, batch_index: torch.Tensor) -> None:
@@ -164,7 +211,7 @@ class SinkRetention(RingRetention):
         if self.leads:
             self.shared.cos_sin = None
         self.pads = self.sink_keys = self.sink_values = self._sink_turned = None
-        self._padded, self._pins_end, self._stale, self._offset = False, 0, False, 0
+        self._padded, self._pins_end, self._stale, self._offset, self._placed_end = False, 0, False, 0, 0
 
     @property
     def state_nbytes(self) -> int:
@@ -197,6 +244,19 @@ class SinkRetention(RingRetention):
             self.sink_keys[rows, :, slots] = keys[rows, :, source].to(self.sink_keys.dtype)  # kept in >= fp32
             self.sink_values[rows, :, slots] = values[rows, :, source]
             self._stale = True
+
+    def _sinks_in_place(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded batch's first forward: each row's displaced sinks that have arrived take its sink
+        slots' places in what is stored (those slots are masked while the sinks' own copies stay in
+        the ring, and the prompt's attention reads the forward's keys), so the storage holds them
+        from the first write, unrotated, as a row alone holds its sinks then."""
+        sinks, q = self.sinks, keys.shape[-2]
+        slot = torch.arange(sinks)
+        received = (slot < self.pads[:, None]) & (self.pads.clamp(min=sinks)[:, None] + slot < q)
+        self._stale = bool(((slot < self.pads[:, None]) & ~received).any())  # some sinks are yet to come
+        shown = received.to(keys.device)[:, None, :, None]
+        heads = (torch.where(shown, self.sink_keys.to(keys.dtype), keys[:, :, :sinks]), torch.where(shown, self.sink_values, values[:, :, :sinks]))
+        return torch.cat([heads[0], keys[:, :, sinks:]], dim=-2), torch.cat([heads[1], values[:, :, sinks:]], dim=-2)
 
     def _write_sinks(self, storage: Storage, evicted: int) -> None:
         """Write the sinks, rotated by each row's own evictions, unless the storage has them already."""

@@ -36,6 +36,11 @@ class Storage(ABC):
     def is_allocated(self) -> bool:
         return self.dtype is not None
 
+    keeps_pads_out = False
+    """True when the storage's codes span slots and group each row's real tokens apart, so it must
+    be told where a padded batch's pads are (:meth:`write`'s ``ranks``) even where the retention
+    keeps tokens in position order and the model's own mask serves."""
+
     @property
     @abstractmethod
     def rows(self) -> int:
@@ -58,8 +63,16 @@ class Storage(ABC):
         """Enlarge to at least ``capacity`` slots, keeping the content of the existing ones."""
 
     @abstractmethod
-    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``keys``/``values`` (``[batch, heads, q, head_dim]``) into ``slots``, in place."""
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+        """Write ``keys``/``values`` (``[batch, heads, q, head_dim]``) into ``slots``, in place.
+
+        ``ranks``: in a padded batch, each token's place among the real tokens its row brings in
+        this write, in the order the row alone would write them (``long [batch, q]`` or
+        ``[batch, heads, q]``; ``-1``: a pad, or a token the row alone would not hold there;
+        :func:`real_ranks`). The retentions give it for their prompt writes and trims; a storage
+        whose codes span slots groups each row's tokens in that order, so that a row is held as it
+        is alone. ``None``: every token is real, in slot order.
+        """
 
     def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace the content of kept tokens (re-rotated or displaced sinks): a write that brings no
@@ -74,8 +87,11 @@ class Storage(ABC):
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` (``LongTensor[n]`` or ``[batch, heads, n]``) in the model's dtype."""
 
-    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a read would return for ``keys``/``values`` right after writing them.
+    def as_written(
+        self, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a read would return for ``keys``/``values`` right after writing them (``ranks`` as
+        for :meth:`write`).
 
         A forward that attends to tokens before storing them (the concatenate path of a bounded
         retention) attends to this, so it sees what the in-place path, which writes first and then
@@ -156,6 +172,12 @@ def allocated(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
             f"{what} asks for {size:,} bytes ({size / 2**30:.1f} GiB) as {tuple(shape)} {str(dtype).removeprefix('torch.')} "
             f"on {device}, which cannot be allocated: lower the budget (or the storage's residual), or use fewer rows"
         ) from None
+
+
+def real_ranks(real: torch.Tensor) -> torch.Tensor:
+    """:meth:`Storage.write`'s ``ranks`` of tokens written in slot order: ``0, 1, ...`` along the
+    last axis where ``real``, ``-1`` elsewhere."""
+    return torch.where(real, real.cumsum(dim=-1) - 1, -1)
 
 
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch
 
 from ..validation import check_int
 from .base import SlotIndex, Storage, UpcomingSlots, allocated, put, take
-from .residual import NativeResidual, PendingTokens
+from .residual import NativeResidual, PendingTokens, in_arrival_order
 
 DEFAULT_RESIDUAL = 32
 """Native tokens per layer by default, from ``python -m eval.benchmarks.fp8 --residual-sweep``
@@ -234,7 +234,9 @@ class FP8Storage(Storage):
         self.scales[:, :, :used] = scales
         self.capacity = capacity
 
-    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+        if ranks is not None and keys.shape[-2] > self.residual:  # the residual keeps each row's newest tokens
+            slots, keys, values, _ = in_arrival_order(slots, keys, values, ranks)
         self._write(slots, keys, values, new_tokens=True)
 
     def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -279,7 +281,9 @@ class FP8Storage(Storage):
         keys, values, _ = self._dequantise(take(self.payload, slots), take(self.scales, slots))
         return self.ring.override(keys, values, slots)
 
-    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def as_written(
+        self, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded from fp8, but the newest ``residual`` tokens native, as a write then a read gives."""
         q = keys.shape[-2]
         if q <= self.residual:

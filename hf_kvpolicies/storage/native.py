@@ -40,7 +40,7 @@ class NativeStorage(Storage):
         self.keys[:, :, :used] = old_keys
         self.values[:, :, :used] = old_values
 
-    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
         if isinstance(slots, int) or slots.dim() == 1:
             put(self.keys, slots, keys)
             put(self.values, slots, values)

@@ -21,6 +21,10 @@ between steps: a read decodes one layer's slots into a fresh tensor, as fp8 does
   tokens, as KIVI does. A :meth:`QuantizedStorage.rewrite` (re-rotated sinks: no new token)
   pushes nothing out of the residual: it refreshes the native copies it hits and quantises the
   rest in place.
+* **Padded batches**: the retention ranks each row's real tokens as the row alone writes them
+  (:meth:`QuantizedStorage.write`'s ``ranks``), and the channel groups are made of each row's own
+  tokens in that order, pads left out (:attr:`QuantizedStorage._place`), so a row's codes equal
+  its codes alone.
 
 Defaults: KIVI's group of 32, keys per channel, values per token; a residual of 32 rather than
 KIVI's 128. The residual's native copies sit beside codes allocated for every slot, and at 128
@@ -39,7 +43,7 @@ from ..validation import check_choice, check_int
 from .affine import BITS, round_trip, scale_dtype
 from .base import SlotIndex, Storage, UpcomingSlots
 from .quantized_codes import ChannelCodes, TokenCodes
-from .residual import Departed, NativeResidual, PendingTokens
+from .residual import Departed, NativeResidual, PendingTokens, in_arrival_order
 
 DEFAULT_GROUP = 32
 DEFAULT_RESIDUAL = 32
@@ -75,7 +79,7 @@ class QuantizedStorage(Storage):
                 f"natively in the residual until their group is complete: residual must be >= group_size, got "
                 f"residual={residual}; raise it, lower group_size, or use key_axis='token'"
             )
-        self.per_channel = key_axis == "channel"
+        self.per_channel = self.keeps_pads_out = key_axis == "channel"
         if sinks is None:
             sinks = DEFAULT_SINKS if self.per_channel else 0
         self.sinks = check_int("sinks", sinks, minimum=0)
@@ -92,6 +96,14 @@ class QuantizedStorage(Storage):
         slots (``None`` otherwise): a token leaving the residual from any other group needs no work."""
         self._pending = PendingTokens()
         """Slots the residual holds whose per-token codes (values, token-axis keys) wait until they leave it."""
+        self._place: torch.Tensor | None = None
+        """``long [batch, heads, capacity]``, once a write has carried ``ranks`` (a padded batch;
+        channel keys only): where the key codes hold each slot (``-1``: no real token yet). Each
+        row's real tokens take the code slots in the order they would arrive alone (:meth:`_placed_at`),
+        so a row's groups and sinks are made of the tokens they hold when the row is alone, wherever
+        the retention put its pads; ``None``: slot ``s`` at ``s``."""
+        self._placed: torch.Tensor | None = None
+        """``long [batch, heads]``: code slots taken so far (the next one to take)."""
 
     @classmethod
     def factory(
@@ -132,6 +144,7 @@ class QuantizedStorage(Storage):
         self.values.allocate(batch, heads, capacity, value_dim, half, like.device, "value")
         self.ring.allocate(batch, heads, key_dim, value_dim, like.dtype, like.device)
         self._stale_groups = set()
+        self._place = self._placed = None
         self._pending.allocate(self.residual)
 
     @property
@@ -143,10 +156,19 @@ class QuantizedStorage(Storage):
             return
         self.keys.grow(capacity)
         self.values.grow(capacity)
+        if self._place is not None:
+            grown = self._place.new_full((*self._place.shape[:2], capacity), -1)
+            grown[..., : self.capacity] = self._place
+            self._place = grown
         self.capacity = capacity
 
-    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._write(slots, keys, values, push=True)
+    def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+        if ranks is not None:
+            if self.per_channel:
+                self._arrange(slots, keys)
+            if keys.shape[-2] > self.residual:  # the residual keeps each row's newest tokens
+                slots, keys, values, ranks = in_arrival_order(slots, keys, values, ranks)
+        self._write(slots, keys, values, push=True, ranks=ranks)
 
     def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New content for kept tokens: native copies of these slots are refreshed, nothing is pushed
@@ -154,9 +176,10 @@ class QuantizedStorage(Storage):
         quantised anew, as when a token leaves the residual)."""
         self._write(slots, keys, values, push=False)
 
-    def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, push: bool) -> None:
+    def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, push: bool, ranks: torch.Tensor | None = None) -> None:
         if not isinstance(slots, int):
             slots = slots.to(self.device)
+        placed = self._placed_at(slots, keys, ranks) if self.per_channel and self._place is not None else slots
         q = keys.shape[-2]
         pending = self._pending
         lazy = pending.lazy(slots, self.ring)
@@ -172,8 +195,49 @@ class QuantizedStorage(Storage):
         if lazy and departed is not None and pending.due(departed.host_slots):
             pending.flush(self.ring, self._encode_pending, departed)
         if self.per_channel:
-            self.keys.note_written(slots, keys)
+            self.keys.note_written(placed, keys)
             self._code_keys(slots, keys, push, departed)
+
+    def _arrange(self, slots: SlotIndex, keys: torch.Tensor) -> None:
+        """A write that ranks its tokens: the code slots follow each row's own tokens from now on, and
+        a write from slot 0 (a prompt, a trim: the layer arranged anew) places them afresh."""
+        batch, heads = keys.shape[:2]
+        if self._place is None:
+            self._place = torch.full((batch, heads, self.capacity), -1, dtype=torch.long, device=self.device)
+            self._placed = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+            self._stale_groups = None  # groups now follow each row's tokens: the host no longer knows them
+        elif isinstance(slots, int) and slots == 0:  # code slots past the write keep what they held, as slots do
+            self._place.fill_(-1)
+            self._placed.zero_()
+
+    def _placed_at(self, slots: SlotIndex, keys: torch.Tensor, ranks: torch.Tensor | None) -> torch.Tensor:
+        """``[batch, heads, q]`` code slots of the tokens this write brings (``-1`` for pads): a slot
+        that held a real token keeps its code slot (the token replacing it joins that token's
+        group, as in a row alone), a slot that held none takes the row's next free one, in the
+        order of ``ranks`` (slot order where ``None``)."""
+        batch, heads, q = keys.shape[:3]
+        logical = _run(slots, q, self.device)
+        logical = (logical.view(1, 1, -1) if logical.dim() == 1 else logical).expand(batch, heads, q)
+        taken = self._place.gather(-1, logical)
+        if ranks is None:
+            fresh = taken < 0
+            order = fresh.cumsum(dim=-1) - 1
+        else:
+            order = ranks.to(self.device).view(batch, -1, q).expand(batch, heads, q)
+            fresh = (taken < 0) & (order >= 0)
+        placed = torch.where(fresh, self._placed.unsqueeze(-1) + order, taken)
+        self._place.scatter_(-1, logical, placed)
+        self._placed.add_(fresh.sum(dim=-1))
+        return placed
+
+    def _physical(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where the key codes hold ``slots`` (``[n]`` or ``[batch, heads, n]``; ``-1``, and a slot
+        that holds no real token, give ``-1``: in no group)."""
+        if self._place is None:
+            return slots
+        logical = slots.view(1, 1, -1) if slots.dim() == 1 else slots
+        logical = logical.expand(*self._place.shape[:2], logical.shape[-1])
+        return self._place.gather(-1, logical.clamp(min=0)).masked_fill(logical < 0, -1)
 
     def _uses_departures(self, leaving: list[int] | None, slots: SlotIndex, q: int) -> bool:
         """Whether this write needs the native copies its push overwrites: to quantise a pending slot
@@ -227,43 +291,60 @@ class QuantizedStorage(Storage):
         else:
             if unheld:
                 unheld_slots = torch.arange(slots, slots + unheld, device=self.device) if isinstance(slots, int) else slots[..., :unheld]
-                wanted.append(_groups_of(unheld_slots, size, keys))
+                wanted.append(_groups_of(self._physical(unheld_slots), size, keys))
             if departed is not None:
-                wanted.append(_groups_of(departed.slots, size, keys))
+                wanted.append(_groups_of(self._physical(departed.slots), size, keys))
             if not wanted:
                 return
         natives = self._native_keys(departed)
-        run = (slots, keys) if isinstance(slots, int) else None
+        run = (slots, keys) if isinstance(slots, int) and self._place is None else None
         if run is None:
-            natives.append((slots, keys))
+            natives.append((self._physical(_run(slots, q, self.device)), keys))
         self.keys.code(torch.cat(wanted, dim=-1), natives, run)
 
     def _native_keys(self, departed: Departed | None, every_entry: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The native keys the residual holds (and those a push just overwrote), as coding sources."""
+        """The native keys the residual holds (and those a push just overwrote), as coding sources
+        (their slots where the key codes hold them)."""
         ring, natives = self.ring, []
         if ring.size:
             held = ring.size if every_entry else ring.held
-            natives.append((ring.slots[:, :, :held], ring.split(ring.values[:, :, :held])[0]))
+            natives.append((self._physical(ring.slots[:, :, :held]), ring.split(ring.values[:, :, :held])[0]))
         if departed is not None:
-            natives.append((departed.slots, ring.split(departed.values)[0]))
+            natives.append((self._physical(departed.slots), ring.split(departed.values)[0]))
         return natives
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.keys.read(length, self.dtype) if self.per_channel else self.keys.read(0, length, self.dtype)
+        keys = self._channel_keys(length) if self.per_channel else self.keys.read(0, length, self.dtype)
         values = self.values.read(0, length, self.dtype)
         return self.ring.overlay(keys, values, length)
 
+    def _channel_keys(self, length: int) -> torch.Tensor:
+        """Slots ``[0, length)`` of the channel-grouped keys, in slot order."""
+        if self._place is None:
+            return self.keys.read(length, self.dtype)
+        held = self.keys.read(self.capacity, self.dtype)
+        where = self._physical(torch.arange(length, device=self.device)).clamp(min=0)
+        return held.gather(2, where.unsqueeze(-1).expand(*where.shape, held.shape[-1]))
+
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
-        keys = self.keys.gather(slots, self.dtype) if self.per_channel else self.keys.read(slots, 0, self.dtype)
+        keys = self.keys.gather(self._physical(slots).clamp(min=0), self.dtype) if self.per_channel else self.keys.read(slots, 0, self.dtype)
         return self.ring.override(keys, self.values.read(slots, 0, self.dtype), slots)
 
-    def as_written(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def as_written(
+        self, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a read returns right after writing ``keys``/``values`` into an empty storage from
         slot 0 (allocated or not): all but the newest ``residual`` tokens decoded, key channel groups
         starting at the first token (each over all its tokens, the native ones included, the sinks
-        left out and native)."""
+        left out and native). With ``ranks`` and channel keys, each row's groups start at its own
+        first real token: that write and read are made, in a storage of their own."""
         q = keys.shape[-2]
+        if ranks is not None and self.per_channel and q > self.residual:
+            scratch = QuantizedStorage(self.bits, self.group_size, self.residual, self.key_axis, self.sinks)
+            scratch.allocate(keys, q, value_dim=values.shape[-1])
+            scratch.write(0, keys, values, ranks=ranks)
+            return scratch.read(q)
         old = q - self.residual
         if old <= 0:
             return keys, values
@@ -278,6 +359,8 @@ class QuantizedStorage(Storage):
 
     def reorder(self, batch_index: torch.Tensor) -> None:
         batch_index = batch_index.to(self.device)
+        if self._place is not None:
+            self._place, self._placed = (t.index_select(0, batch_index) for t in (self._place, self._placed))
         self.keys.reorder(batch_index)
         self.values.reorder(batch_index)
         self.ring.reorder(batch_index)
@@ -301,7 +384,8 @@ class QuantizedStorage(Storage):
         super().enter_static()
 
     def static_tensors(self) -> list[torch.Tensor]:
-        return [*self.keys.tensors(), *self.values.tensors(), *self.ring.static_tensors()]
+        placement = [] if self._place is None else [self._place, self._placed]
+        return [*self.keys.tensors(), *self.values.tensors(), *self.ring.static_tensors(), *placement]
 
     def write_static(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self._write_static(slots, keys, values, push=True)
@@ -317,23 +401,28 @@ class QuantizedStorage(Storage):
         departed = self.ring.write_static(slots, torch.cat([keys, values], dim=-1), push, departures=self.per_channel)
         if not self.per_channel:
             return
-        self.keys.note_written(slots, keys)
+        self.keys.note_written(self._placed_at(slots, keys, None) if self._place is not None else slots, keys)
         natives = self._native_keys(departed, every_entry=True)
         if push:
-            groups = _groups_of(departed.slots, self.group_size, keys)
+            groups = _groups_of(self._physical(departed.slots), self.group_size, keys)
         else:
-            groups = _groups_of(slots, self.group_size, keys)
-            natives.append((slots, keys))
+            groups = _groups_of(self._physical(slots), self.group_size, keys)
+            natives.append((self._physical(slots), keys))
         self.keys.code(groups, natives)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
         capacity = self.capacity
-        keys = self.keys.read(capacity, self.dtype) if self.per_channel else self.keys.read(0, capacity, self.dtype)
+        keys = self._channel_keys(capacity) if self.per_channel else self.keys.read(0, capacity, self.dtype)
         return self.ring.overlay_static(keys, self.values.read(0, capacity, self.dtype))
 
     def leave_static(self) -> None:
         self.ring.leave_static(self.capacity)
         self._stale_groups = None  # static writes may have touched any group
+
+
+def _run(slots: SlotIndex, q: int, device: torch.device) -> torch.Tensor:
+    """``slots`` as a tensor: ``q`` slots from an ``int`` start, or the slots given."""
+    return torch.arange(slots, slots + q, device=device) if isinstance(slots, int) else slots
 
 
 def _groups_of(slots: torch.Tensor, size: int, like: torch.Tensor) -> torch.Tensor:

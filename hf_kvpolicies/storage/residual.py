@@ -28,6 +28,30 @@ from . import cpu_kernels
 from .base import SlotIndex, UpcomingSlots, allocated, expand_slots
 
 
+def in_arrival_order(
+    slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor
+) -> tuple[SlotIndex, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ranked write (:meth:`~.base.Storage.write`'s ``ranks``) as each row alone would make it:
+    per row and head, the tokens it does not hold there first, then its own in rank order, so that
+    the newest writes, which a residual keeps natively, are the row's newest as when it is alone.
+    Returns ``[batch, heads, q]`` slots with the keys, values and ranks in that order, or the write
+    as given where that is its order already (a left-padded prompt: pads first)."""
+    batch, heads, q = keys.shape[:3]
+    ranks = ranks.to(keys.device).view(batch, -1, q).expand(batch, heads, q)
+    within = torch.arange(q, device=keys.device)
+    order = torch.where(ranks >= 0, q + ranks, within).argsort(dim=-1)
+    if bool((order == within).all()):  # (a prompt or a trim: one look at the host per write)
+        return slots, keys, values, ranks
+    written = within + slots if isinstance(slots, int) else slots.to(keys.device)
+    written = (written.view(1, 1, q) if written.dim() == 1 else written).expand(batch, heads, q)
+    return (
+        written.gather(-1, order),
+        keys.gather(2, expand_slots(order, keys)),
+        values.gather(2, expand_slots(order, values)),
+        ranks.gather(-1, order),
+    )
+
+
 @dataclass
 class Departed:
     """Ring entries a push overwrote: the slot each shadowed (``[batch, heads, n]``, ``-1`` where the
