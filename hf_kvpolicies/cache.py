@@ -379,7 +379,7 @@ class PolicyCache(Cache):
         if inputs.shape[1] > 1 and any(layer.retention.computes_attention() for layer in self.layers):
             forward.causal = causal_with_padding(attention_mask, self.get_seq_length())
         if all(layer.retention.in_position_order for layer in self.layers):
-            if inputs.shape[1] > 1 and any(getattr(layer, "storage", None) is not None and layer.storage.keeps_pads_out for layer in self.layers):
+            if inputs.shape[1] > 1 and any(layer.storage.keeps_pads_out for layer in self.layers):
                 forward.padding = padding_of(attention_mask, self.get_seq_length())  # the model's mask is right
             return hooks.UNCHANGED
         padding, query_length = attention_mask, inputs.shape[1]

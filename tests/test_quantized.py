@@ -450,7 +450,7 @@ def test_padded_batch_with_token_keys_equals_each_row_alone(name, one_thread):
     assert max(differences) < 1e-5 and min(errors) > 1e-3, (differences, errors)
 
 
-@pytest.mark.parametrize("options", ["int4:residual=4;group_size=4", "int2:residual=4;group_size=4", "int8:residual=4;group_size=4", "int4"])
+@pytest.mark.parametrize("options", [f"int{bits}:residual=4;group_size=4" for bits in BITS] + ["int4"])
 @pytest.mark.parametrize("name", storage_policies())
 def test_padded_batch_with_channel_keys_equals_each_row_alone(name, options, one_thread):
     """Channel groups span slots, and a left-padded row's tokens sit in other slots than alone, beside

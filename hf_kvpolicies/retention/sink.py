@@ -29,6 +29,7 @@ import torch
 
 from ..rope import Rotary
 from ..storage import Storage
+from ..storage.base import SlotIndex
 from .window import RingRetention
 
 
@@ -152,7 +153,7 @@ class SinkRetention(RingRetention):
         if self.rotary is not None and steps:
             self._offset = max(0, self.seen - self.ring_capacity)  # the last step's rotation
 
-    def plan(self, q: int):
+    def plan(self, q: int) -> SlotIndex | None:
         return None if self._attend_first else super().plan(q)
 
     def write_ranks(self, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
@@ -255,8 +256,9 @@ class SinkRetention(RingRetention):
         received = (slot < self.pads[:, None]) & (self.pads.clamp(min=sinks)[:, None] + slot < q)
         self._stale = bool(((slot < self.pads[:, None]) & ~received).any())  # some sinks are yet to come
         shown = received.to(keys.device)[:, None, :, None]
-        heads = (torch.where(shown, self.sink_keys.to(keys.dtype), keys[:, :, :sinks]), torch.where(shown, self.sink_values, values[:, :, :sinks]))
-        return torch.cat([heads[0], keys[:, :, sinks:]], dim=-2), torch.cat([heads[1], values[:, :, sinks:]], dim=-2)
+        sink_keys = torch.where(shown, self.sink_keys.to(keys.dtype), keys[:, :, :sinks])
+        sink_values = torch.where(shown, self.sink_values, values[:, :, :sinks])
+        return torch.cat([sink_keys, keys[:, :, sinks:]], dim=-2), torch.cat([sink_values, values[:, :, sinks:]], dim=-2)
 
     def _write_sinks(self, storage: Storage, evicted: int) -> None:
         """Write the sinks, rotated by each row's own evictions, unless the storage has them already."""

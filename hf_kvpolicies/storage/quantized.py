@@ -328,7 +328,10 @@ class QuantizedStorage(Storage):
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slots.to(self.device)
-        keys = self.keys.gather(self._physical(slots).clamp(min=0), self.dtype) if self.per_channel else self.keys.read(slots, 0, self.dtype)
+        if self.per_channel:
+            keys = self.keys.gather(self._physical(slots).clamp(min=0), self.dtype)
+        else:
+            keys = self.keys.read(slots, 0, self.dtype)
         return self.ring.override(keys, self.values.read(slots, 0, self.dtype), slots)
 
     def as_written(
