@@ -1,8 +1,10 @@
-"""The native residual's static writes: where the retention's slots never meet a shadowed one
-(a ring longer than the residual, appends), each write pushes without the refresh and the
-push decision, and gives exactly what the checking write gives."""
+"""The native residual: its static writes (where the retention's slots never meet a shadowed one,
+a ring longer than the residual or appends, each write pushes without the refresh and the push
+decision, and gives exactly what the checking write gives), and its rows apart in a padded batch."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from helpers import prefill_then_decode
 from tiny_models import random_ids, tiny_llama
 
 from hf_kvpolicies import from_spec
+from hf_kvpolicies.storage import cpu_kernels
 from hf_kvpolicies.storage.residual import NativeResidual
 
 OPTIONS = {"fp8": "residual=8", "int4": "residual=8;group_size=8"}
@@ -86,3 +89,33 @@ def test_a_cache_prefilled_without_grad_decodes_with_grad(spec):
         with torch.set_grad_enabled(grad):
             logits.append(torch.cat([model(ids[:, t : t + 1], cache=cache).logits.detach() for t in range(50, 60)]))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_rows_apart_push_their_own_real_tokens_and_decide_for_themselves():
+    """Once a write ranks its tokens (a padded batch), each row pushes only its real tokens, in
+    rank order, onto a ring position of its own, and a shared slot that one row already shadows
+    is refreshed there while the other row pushes it; reads and departures follow each row."""
+    ring = NativeResidual(4)
+    ring.allocate(2, 1, 1, 1, torch.float32, torch.device("cpu"))
+
+    def tokens(*content: float) -> torch.Tensor:  # [2 rows, 1 head, q, key + value], a row's token k = 10 * row + k
+        return torch.tensor(content).view(1, 1, -1, 1).repeat(2, 1, 1, 2) + torch.tensor([0.0, 10.0]).view(2, 1, 1, 1)
+
+    ranks = torch.tensor([[0, 1, 2, 3], [-1, -1, 0, 1]])  # row 1: two pads, then two real tokens
+    ring.note(0, tokens(0, 1, 2, 3), capacity=8, ranks=ranks)
+    assert ring.rows_apart and ring._rows.tolist() == [[0], [2]]
+    assert ring.slots[:, 0].tolist() == [[0, 1, 2, 3], [2, 3, -1, -1]]
+
+    ring.note(1, tokens(7), capacity=8)  # row 0 shadows slot 1: refreshed; row 1 does not: pushed
+    assert ring.slots[:, 0].tolist() == [[0, 1, 2, 3], [2, 3, 1, -1]]
+    assert ring.values[:, 0, :, 0].tolist() == [[0, 7, 2, 3], [12, 13, 17, 0]]
+    assert ring._rows.tolist() == [[0], [3]]
+
+    departed = ring.note(4, tokens(8), capacity=8, departures=True)  # row 0's oldest leaves, row 1 fills its last entry
+    assert departed.slots[:, 0].tolist() == [[0, -1, -1, -1], [-1, -1, -1, -1]]
+    assert ring.slots[:, 0].tolist() == [[4, 1, 2, 3], [2, 3, 1, 4]]
+
+    for path in (contextlib.nullcontext, cpu_kernels.portable):  # the CPU kernel, then the path a GPU takes
+        with path():
+            keys, _ = ring.overlay(torch.full((2, 1, 5, 1), -1.0), torch.full((2, 1, 5, 1), -1.0), 5)
+        assert keys[:, 0, :, 0].tolist() == [[-1, 7, 2, 3, 8], [-1, 17, 12, 13, 18]]

@@ -177,7 +177,8 @@ class Retention(ABC):
         slots = self.plan(q)
         if slots is not None:
             self._ensure_capacity(storage, slots, q)
-            ranks = None if q == 1 or padding is None else self.write_ranks(padding, torch.arange(self.seen, self.seen + q))
+            ranked = padding is not None and (q > 1 or self.ranks_each_token)
+            ranks = self.write_ranks(padding, torch.arange(self.seen, self.seen + q)) if ranked else None
             storage.write(slots, keys, values, ranks=ranks)
             self._record(slots, q)
             return storage.read(self.live)
@@ -203,6 +204,10 @@ class Retention(ABC):
         self.seen += q
         self._after_trim()
         return all_keys, all_values
+
+    ranks_each_token = False
+    """Whether a padded batch's one-token writes carry ``ranks`` too (by default a single new token
+    is each row's next real one, so none are needed)."""
 
     def write_ranks(self, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
         """:meth:`~hf_kvpolicies.storage.base.Storage.write`'s ``ranks`` for tokens at ``positions``

@@ -18,9 +18,11 @@ Two things a plain ring with ``sinks > 0`` does not do:
   ``j + max(p, sinks)`` (one of the row's sinks) as it arrives. The slot stays masked until that
   token leaves the ring, so no token is ever seen twice. The pad count comes from the first
   forward's padding; rotation offsets are per row (``e - p``, the row's own evictions). Where the
-  storage groups each row's tokens (integer storage with keys per channel), the sinks that arrive
-  with the prompt are stored in their sink slots with it and seen there from the next forward on,
-  their copies in the ring hidden: the row's groups then hold what they hold when it is alone.
+  storage holds each row's tokens apart (:attr:`~hf_kvpolicies.storage.base.Storage.keeps_pads_out`:
+  integer codes grouped per channel, a native residual of each row's newest tokens), each displaced
+  sink is stored in its sink slot as it arrives, where the row alone writes it, and its copy in
+  the ring is hidden: those that come with the prompt are seen there from the next forward on,
+  those that come later (a row with fewer real tokens than ``sinks``) at once.
 """
 
 from __future__ import annotations
@@ -76,8 +78,11 @@ class SinkRetention(RingRetention):
         row's displaced sinks are stored in its sink slots with the prompt, where the row alone
         holds them, so the prompt is attended as it came, then stored (:meth:`plan`)."""
         self._placed_end = 0
-        """Positions below which the displaced sinks went to their sink slots with the prompt (and
+        """Positions below which the displaced sinks went to their sink slots as they arrived (and
         are seen there, their copies in the ring not)."""
+        self._on_arrival = False
+        """Displaced sinks go to their sink slots as they arrive (a padded batch in a storage that
+        holds rows apart): see the module."""
 
     @property
     def keeps_by_position(self) -> bool:
@@ -98,14 +103,28 @@ class SinkRetention(RingRetention):
         if not self._tracking:
             return super().update(storage, keys, values, padding, query)
         q = keys.shape[-2]
+        if self.seen == 0:
+            self._on_arrival = self._padded and storage.keeps_pads_out
+        late = self._on_arrival and self.seen > 0 and bool(self._arriving(q).any())
+        if late and q > 1:
+            raise ValueError(
+                f"a multi-token forward brings sinks of a padded row that had fewer than sink_tokens={self.sinks} real "
+                "tokens before it, and this storage holds each row's tokens apart (a native residual, keys grouped "
+                "per channel): its queries would see those sinks before they arrive. Prefill the padded batch in "
+                "one forward (or in chunks that reach every row's first sink_tokens real tokens), or decode one "
+                "token per forward until then"
+            )
         self._capture(keys, values)
+        if late:
+            self._store_arrivals(storage)
         # tokens this forward's keys leave out: the sinks must sit just before the oldest kept one
         evicted = self.seen + q - self.returned_length(q)
         self._write_sinks(storage, evicted)  # before the read or gather that attention uses
-        self._attend_first = self._padded and self.seen == 0 and q > self.sinks and storage.keeps_pads_out
+        self._attend_first = self._on_arrival and self.seen == 0 and q > self.sinks
         if self._attend_first:
             keys, values = self._sinks_in_place(keys, values)
-            self._placed_end = q
+        if self._on_arrival:
+            self._placed_end = self.seen + q
         try:
             out = super().update(storage, keys, values, padding, query)
         finally:
@@ -156,6 +175,11 @@ class SinkRetention(RingRetention):
     def plan(self, q: int) -> SlotIndex | None:
         return None if self._attend_first else super().plan(q)
 
+    @property
+    def ranks_each_token(self) -> bool:
+        """While displaced sinks still arrive one token at a time, their ring copies are ranked out."""
+        return self._on_arrival and self.seen < self._pins_end
+
     def write_ranks(self, padding: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
         """A padded row's tokens in the order the row alone writes them: its sinks first, in its own
         order (sink slot ``j`` holds the row's sink ``(j - min(p, sinks)) mod sinks``), then the
@@ -189,9 +213,10 @@ class SinkRetention(RingRetention):
         received = displaced_from + slot
         ring = key_pos[sinks:]
         floor = int(ring[ring >= 0].min())
-        with_prompt = received < min(self._placed_end, self.seen)
-        shown = (slot < pads) & torch.where(with_prompt, True, received < floor)
-        copies = (ring >= displaced_from) & (ring < pads + sinks) & (ring < min(self._placed_end, self.seen))
+        # stored on arrival: by the end of this forward; else with the prompt, once it was attended
+        placed = int(key_pos.max()) + 1 if self._on_arrival else min(self._placed_end, self.seen)
+        shown = (slot < pads) & torch.where(received < placed, True, received < floor)
+        copies = (ring >= displaced_from) & (ring < pads + sinks) & (ring < placed)
         real[:, :sinks] |= shown.to(real.device)
         real[:, sinks:] &= ~copies.to(real.device)
         return real
@@ -213,6 +238,7 @@ class SinkRetention(RingRetention):
             self.shared.cos_sin = None
         self.pads = self.sink_keys = self.sink_values = self._sink_turned = None
         self._padded, self._pins_end, self._stale, self._offset, self._placed_end = False, 0, False, 0, 0
+        self._on_arrival = False
 
     @property
     def state_nbytes(self) -> int:
@@ -220,6 +246,12 @@ class SinkRetention(RingRetention):
         return super().state_nbytes + sum(t.nbytes for t in held if t is not None)
 
     # --- internals ---------------------------------------------------------------------
+    def _arriving(self, q: int) -> torch.Tensor:
+        """``bool [batch, sinks]``: the displaced sinks that this forward's ``q`` tokens bring."""
+        slot = torch.arange(self.sinks)
+        position = self.pads.clamp(min=self.sinks)[:, None] + slot
+        return (slot < self.pads[:, None]) & (position >= self.seen) & (position < self.seen + q)
+
     def _capture(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy the arriving tokens that are sinks: positions ``< sinks``, and displaced ones."""
         start, q, sinks = self.seen, keys.shape[-2], self.sinks
@@ -235,12 +267,10 @@ class SinkRetention(RingRetention):
             self.sink_values[:, :, start : start + count] = values[:, :, :count]
         if not self._padded or start >= self._pins_end:
             return
-        slot = torch.arange(sinks)
-        position = self.pads.clamp(min=sinks)[:, None] + slot
-        arriving = (slot < self.pads[:, None]) & (position >= start) & (position < start + q)
+        arriving = self._arriving(q)
         if arriving.any():
             rows, slots = arriving.nonzero(as_tuple=True)
-            source = (position[rows, slots] - start).to(keys.device)
+            source = (self.pads[rows].clamp(min=sinks) + slots - start).to(keys.device)
             rows, slots = rows.to(keys.device), slots.to(keys.device)
             self.sink_keys[rows, :, slots] = keys[rows, :, source].to(self.sink_keys.dtype)  # kept in >= fp32
             self.sink_values[rows, :, slots] = values[rows, :, source]
@@ -254,11 +284,28 @@ class SinkRetention(RingRetention):
         sinks, q = self.sinks, keys.shape[-2]
         slot = torch.arange(sinks)
         received = (slot < self.pads[:, None]) & (self.pads.clamp(min=sinks)[:, None] + slot < q)
-        self._stale = bool(((slot < self.pads[:, None]) & ~received).any())  # some sinks are yet to come
+        self._stale = False  # the others are stored as they arrive
         shown = received.to(keys.device)[:, None, :, None]
         sink_keys = torch.where(shown, self.sink_keys.to(keys.dtype), keys[:, :, :sinks])
         sink_values = torch.where(shown, self.sink_values, values[:, :, :sinks])
         return torch.cat([sink_keys, keys[:, :, sinks:]], dim=-2), torch.cat([sink_values, values[:, :, sinks:]], dim=-2)
+
+    def _store_arrivals(self, storage: Storage) -> None:
+        """A one-token forward's displaced sink goes to its sink slot now, as the row alone writes
+        it: pushed into its residual and placed in its key groups (``ranks`` 0), while every other
+        row rewrites its first sink slot as it holds it (``ranks`` -1: nothing moves)."""
+        sinks, device = self.sinks, self.sink_values.device
+        slot = self.seen - self.pads.clamp(min=sinks)
+        arriving = (slot >= 0) & (slot < self.pads.clamp(max=sinks))
+        slot = slot.masked_fill(~arriving, 0).to(device)
+        batch, heads = self.sink_values.shape[:2]
+        index = slot.view(batch, 1, 1).expand(batch, heads, 1)
+        held = self.sink_keys if self.rotary is None else self.rotary.rotate(self.sink_keys, self._offset)
+        keys = held.gather(2, index[..., None].expand(-1, -1, -1, held.shape[-1])).to(self.sink_values.dtype)
+        values = self.sink_values.gather(2, index[..., None].expand(-1, -1, -1, self.sink_values.shape[-1]))
+        ranks = arriving.long().sub(1).view(batch, 1, 1)
+        storage.write(index, keys, values, ranks=ranks)
+        self._stale = False
 
     def _write_sinks(self, storage: Storage, evicted: int) -> None:
         """Write the sinks, rotated by each row's own evictions, unless the storage has them already."""

@@ -37,9 +37,10 @@ class Storage(ABC):
         return self.dtype is not None
 
     keeps_pads_out = False
-    """True when the storage's codes span slots and group each row's real tokens apart, so it must
-    be told where a padded batch's pads are (:meth:`write`'s ``ranks``) even where the retention
-    keeps tokens in position order and the model's own mask serves."""
+    """True when the storage holds each row's real tokens apart (codes that span slots, a native
+    residual of each row's newest tokens), so it must be told where a padded batch's pads are
+    (:meth:`write`'s ``ranks``) even where the retention keeps tokens in position order and the
+    model's own mask serves."""
 
     @property
     @abstractmethod
@@ -178,6 +179,19 @@ def real_ranks(real: torch.Tensor) -> torch.Tensor:
     """:meth:`Storage.write`'s ``ranks`` of tokens written in slot order: ``0, 1, ...`` along the
     last axis where ``real``, ``-1`` elsewhere."""
     return torch.where(real, real.cumsum(dim=-1) - 1, -1)
+
+
+def slot_run(slots: SlotIndex, q: int, device: torch.device) -> torch.Tensor:
+    """A write's ``slots`` as a tensor on ``device``: ``q`` slots from an ``int`` start, or the
+    slots given (``[q]`` or ``[batch, heads, q]``)."""
+    return torch.arange(slots, slots + q, device=device) if isinstance(slots, int) else slots.to(device)
+
+
+def slots_per_row(slots: SlotIndex, like: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, q]``: the slot each token of a write of ``like`` (``[batch, heads, q, ...]``) takes."""
+    batch, heads, q = like.shape[:3]
+    run = slot_run(slots, q, like.device)
+    return (run.view(1, 1, q) if run.dim() == 1 else run).expand(batch, heads, q)
 
 
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch
 
 from ..validation import check_int
 from .base import SlotIndex, Storage, UpcomingSlots, allocated, put, take
-from .residual import NativeResidual, PendingTokens, in_arrival_order
+from .residual import NativeResidual, PendingTokens
 
 DEFAULT_RESIDUAL = 32
 """Native tokens per layer by default, from ``python -m eval.benchmarks.fp8 --residual-sweep``
@@ -168,6 +168,7 @@ class FP8Storage(Storage):
         self.scales: torch.Tensor | None = None
         """``uint8 [batch, heads, capacity, 2]``: E8M0 codes (key, value), scale ``2**(code - 127)``."""
         self.ring = NativeResidual(self.residual)
+        self.keeps_pads_out = self.residual > 0  # each row's residual holds its own newest tokens
         self._pending = PendingTokens()
         """Slots the residual holds whose fp8 bytes wait until they leave it (appends of ``int`` slots)."""
         self.key_dim = 0  # keys fill the payload's first key_dim bytes, values the rest
@@ -235,15 +236,18 @@ class FP8Storage(Storage):
         self.capacity = capacity
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
-        if ranks is not None and keys.shape[-2] > self.residual:  # the residual keeps each row's newest tokens
-            slots, keys, values, _ = in_arrival_order(slots, keys, values, ranks)
-        self._write(slots, keys, values, new_tokens=True)
+        if ranks is not None:  # a padded batch: each row's residual keeps its own newest tokens
+            self._pending.settle(self.ring, self._encode)
+            self.ring.part_rows()
+        self._write(slots, keys, values, new_tokens=True, ranks=ranks)
 
     def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Native copies of these slots are refreshed; no entry is pushed (recent tokens stay native)."""
         self._write(slots, keys, values, new_tokens=False)
 
-    def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, new_tokens: bool) -> None:
+    def _write(
+        self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, new_tokens: bool, ranks: torch.Tensor | None = None
+    ) -> None:
         """The tokens into the payload and the residual; where every write names ``int`` slots, the
         newest the residual takes are quantised only when they leave it (:class:`PendingTokens`)."""
         fresh = torch.cat([keys, values], dim=-1)
@@ -259,7 +263,7 @@ class FP8Storage(Storage):
                 slots = slots.to(self.device)
             self._encode(slots, fresh)
         wanted = lazy and pending.due(ring.departing(min(q, self.residual) if new_tokens else 0))
-        departed = ring.note(slots, fresh, self.capacity, push=new_tokens, departures=wanted)
+        departed = ring.note(slots, fresh, self.capacity, push=new_tokens, departures=wanted, ranks=ranks)
         if departed is not None:
             pending.flush(ring, self._encode, departed)
 

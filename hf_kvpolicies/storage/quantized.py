@@ -41,9 +41,9 @@ import torch
 
 from ..validation import check_choice, check_int
 from .affine import BITS, round_trip, scale_dtype
-from .base import SlotIndex, Storage, UpcomingSlots
+from .base import SlotIndex, Storage, UpcomingSlots, expand_slots, slot_run, slots_per_row
 from .quantized_codes import ChannelCodes, TokenCodes
-from .residual import Departed, NativeResidual, PendingTokens, in_arrival_order
+from .residual import Departed, NativeResidual, PendingTokens
 
 DEFAULT_GROUP = 32
 DEFAULT_RESIDUAL = 32
@@ -79,7 +79,8 @@ class QuantizedStorage(Storage):
                 f"natively in the residual until their group is complete: residual must be >= group_size, got "
                 f"residual={residual}; raise it, lower group_size, or use key_axis='token'"
             )
-        self.per_channel = self.keeps_pads_out = key_axis == "channel"
+        self.per_channel = key_axis == "channel"
+        self.keeps_pads_out = self.per_channel or residual > 0
         if sinks is None:
             sinks = DEFAULT_SINKS if self.per_channel else 0
         self.sinks = check_int("sinks", sinks, minimum=0)
@@ -163,11 +164,13 @@ class QuantizedStorage(Storage):
         self.capacity = capacity
 
     def write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
-        if ranks is not None:
+        if ranks is not None:  # a padded batch: each row's residual keeps its own newest tokens
+            self._pending.settle(self.ring, self._encode_pending)
+            self.ring.part_rows()
             if self.per_channel:
                 self._arrange(slots, keys)
-            if keys.shape[-2] > self.residual:  # the residual keeps each row's newest tokens
-                slots, keys, values, ranks = in_arrival_order(slots, keys, values, ranks)
+            if keys.shape[-2] > self.residual:  # the tokens the residual does not take first
+                slots, keys, values, ranks = _in_arrival_order(slots, keys, values, ranks)
         self._write(slots, keys, values, push=True, ranks=ranks)
 
     def rewrite(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -179,7 +182,7 @@ class QuantizedStorage(Storage):
     def _write(self, slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, push: bool, ranks: torch.Tensor | None = None) -> None:
         if not isinstance(slots, int):
             slots = slots.to(self.device)
-        placed = self._placed_at(slots, keys, ranks) if self.per_channel and self._place is not None else slots
+        placed = self._placed_at(slots, keys, ranks, push) if self.per_channel and self._place is not None else slots
         q = keys.shape[-2]
         pending = self._pending
         lazy = pending.lazy(slots, self.ring)
@@ -191,7 +194,7 @@ class QuantizedStorage(Storage):
             self._quantise_tokens(slots, keys, values)
         leaving = self.ring.departing(min(q, self.residual) if push else 0) if isinstance(slots, int) else None
         wanted = self._uses_departures(leaving, slots, q)
-        departed = self.ring.note(slots, torch.cat([keys, values], dim=-1), self.capacity, push, departures=wanted)
+        departed = self.ring.note(slots, torch.cat([keys, values], dim=-1), self.capacity, push, departures=wanted, ranks=ranks)
         if lazy and departed is not None and pending.due(departed.host_slots):
             pending.flush(self.ring, self._encode_pending, departed)
         if self.per_channel:
@@ -210,17 +213,17 @@ class QuantizedStorage(Storage):
             self._place.fill_(-1)
             self._placed.zero_()
 
-    def _placed_at(self, slots: SlotIndex, keys: torch.Tensor, ranks: torch.Tensor | None) -> torch.Tensor:
+    def _placed_at(self, slots: SlotIndex, keys: torch.Tensor, ranks: torch.Tensor | None, new: bool = True) -> torch.Tensor:
         """``[batch, heads, q]`` code slots of the tokens this write brings (``-1`` for pads): a slot
         that held a real token keeps its code slot (the token replacing it joins that token's
         group, as in a row alone), a slot that held none takes the row's next free one, in the
-        order of ``ranks`` (slot order where ``None``)."""
+        order of ``ranks`` (slot order where ``None``), unless the write brings no new token (a
+        :meth:`rewrite`: a slot with no real token holds a pad still)."""
         batch, heads, q = keys.shape[:3]
-        logical = _run(slots, q, self.device)
-        logical = (logical.view(1, 1, -1) if logical.dim() == 1 else logical).expand(batch, heads, q)
+        logical = slots_per_row(slots, keys)
         taken = self._place.gather(-1, logical)
         if ranks is None:
-            fresh = taken < 0
+            fresh = (taken < 0) & new
             order = fresh.cumsum(dim=-1) - 1
         else:
             order = ranks.to(self.device).view(batch, -1, q).expand(batch, heads, q)
@@ -290,8 +293,7 @@ class QuantizedStorage(Storage):
             wanted.append(torch.tensor(sorted(named), device=self.device).expand(*keys.shape[:2], -1))
         else:
             if unheld:
-                unheld_slots = torch.arange(slots, slots + unheld, device=self.device) if isinstance(slots, int) else slots[..., :unheld]
-                wanted.append(_groups_of(self._physical(unheld_slots), size, keys))
+                wanted.append(_groups_of(self._physical(slot_run(slots, q, self.device)[..., :unheld]), size, keys))
             if departed is not None:
                 wanted.append(_groups_of(self._physical(departed.slots), size, keys))
             if not wanted:
@@ -299,7 +301,7 @@ class QuantizedStorage(Storage):
         natives = self._native_keys(departed)
         run = (slots, keys) if isinstance(slots, int) and self._place is None else None
         if run is None:
-            natives.append((self._physical(_run(slots, q, self.device)), keys))
+            natives.append((self._physical(slot_run(slots, q, self.device)), keys))
         self.keys.code(torch.cat(wanted, dim=-1), natives, run)
 
     def _native_keys(self, departed: Departed | None, every_entry: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -404,7 +406,7 @@ class QuantizedStorage(Storage):
         departed = self.ring.write_static(slots, torch.cat([keys, values], dim=-1), push, departures=self.per_channel)
         if not self.per_channel:
             return
-        self.keys.note_written(self._placed_at(slots, keys, None) if self._place is not None else slots, keys)
+        self.keys.note_written(self._placed_at(slots, keys, None, push) if self._place is not None else slots, keys)
         natives = self._native_keys(departed, every_entry=True)
         if push:
             groups = _groups_of(self._physical(departed.slots), self.group_size, keys)
@@ -423,9 +425,28 @@ class QuantizedStorage(Storage):
         self._stale_groups = None  # static writes may have touched any group
 
 
-def _run(slots: SlotIndex, q: int, device: torch.device) -> torch.Tensor:
-    """``slots`` as a tensor: ``q`` slots from an ``int`` start, or the slots given."""
-    return torch.arange(slots, slots + q, device=device) if isinstance(slots, int) else slots
+def _in_arrival_order(
+    slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor
+) -> tuple[SlotIndex, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ranked write (:meth:`~.base.Storage.write`'s ``ranks``) as each row alone would make it:
+    per row and head, the tokens it does not hold there first, then its own in rank order, so that
+    the write's first ``q - residual`` tokens, whose key groups are quantised at once, are those
+    the row's residual does not take (it pushes each row's newest real tokens).
+    Returns ``[batch, heads, q]`` slots with the keys, values and ranks in that order, or the write
+    as given where that is its order already (a left-padded prompt: pads first)."""
+    batch, heads, q = keys.shape[:3]
+    ranks = ranks.to(keys.device).view(batch, -1, q).expand(batch, heads, q)
+    within = torch.arange(q, device=keys.device)
+    order = torch.where(ranks >= 0, q + ranks, within).argsort(dim=-1)
+    if bool((order == within).all()):  # (a prompt or a trim: one look at the host per write)
+        return slots, keys, values, ranks
+    written = slots_per_row(slots, keys)
+    return (
+        written.gather(-1, order),
+        keys.gather(2, expand_slots(order, keys)),
+        values.gather(2, expand_slots(order, values)),
+        ranks.gather(-1, order),
+    )
 
 
 def _groups_of(slots: torch.Tensor, size: int, like: torch.Tensor) -> torch.Tensor:

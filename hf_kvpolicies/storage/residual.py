@@ -11,6 +11,11 @@ push, refresh and reorder is one operation for both. A storage that must act on 
 the ring (the quantised storage codes their key groups then) asks :meth:`NativeResidual.note` and
 :meth:`NativeResidual.write_static` for the entries each push overwrites (:class:`Departed`).
 
+**Rows apart.** In a padded batch each row keeps what it keeps alone: the first write that ranks
+its tokens (:meth:`~.base.Storage.write`'s ``ranks``) gives every row and head a ring position of
+its own (:meth:`NativeResidual.part_rows`), on the device, and from then on each row pushes only its
+real tokens, in rank order, and decides for itself whether a write only refreshes what it shadows.
+
 A read returns the shadowed slots natively, so a storage need not encode a token while the ring
 holds it: :class:`PendingTokens` keeps the slots whose encoding waits, and encodes them in one
 batch when the first of them leaves the ring (one encoding per ``size + 1`` appends instead of one
@@ -25,31 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
-from .base import SlotIndex, UpcomingSlots, allocated, expand_slots
-
-
-def in_arrival_order(
-    slots: SlotIndex, keys: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor
-) -> tuple[SlotIndex, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ranked write (:meth:`~.base.Storage.write`'s ``ranks``) as each row alone would make it:
-    per row and head, the tokens it does not hold there first, then its own in rank order, so that
-    the newest writes, which a residual keeps natively, are the row's newest as when it is alone.
-    Returns ``[batch, heads, q]`` slots with the keys, values and ranks in that order, or the write
-    as given where that is its order already (a left-padded prompt: pads first)."""
-    batch, heads, q = keys.shape[:3]
-    ranks = ranks.to(keys.device).view(batch, -1, q).expand(batch, heads, q)
-    within = torch.arange(q, device=keys.device)
-    order = torch.where(ranks >= 0, q + ranks, within).argsort(dim=-1)
-    if bool((order == within).all()):  # (a prompt or a trim: one look at the host per write)
-        return slots, keys, values, ranks
-    written = within + slots if isinstance(slots, int) else slots.to(keys.device)
-    written = (written.view(1, 1, q) if written.dim() == 1 else written).expand(batch, heads, q)
-    return (
-        written.gather(-1, order),
-        keys.gather(2, expand_slots(order, keys)),
-        values.gather(2, expand_slots(order, values)),
-        ranks.gather(-1, order),
-    )
+from .base import SlotIndex, UpcomingSlots, allocated, expand_slots, slots_per_row
 
 
 @dataclass
@@ -98,6 +79,10 @@ class NativeResidual:
         """Views of ``slots`` and ``values`` shaped for a paired read's scatter (:meth:`overlay`), made
         once per tensor (keys and values equally wide)."""
         self._paired_grad = False  # the grad mode the views were made in
+        self._rows: torch.Tensor | None = None
+        """``long [batch, heads]``: each row's and head's next ring position, once rows push apart
+        (:meth:`part_rows`); then which entries are in use is known on the device only (slot ``-1``:
+        in no use), and :attr:`held` is ``size``."""
 
     def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.key_dim = key_dim
@@ -107,7 +92,7 @@ class NativeResidual:
             self.slots = allocated((batch, heads, self.size), torch.long, device, what, fill=-1)
         self.held = self._next = self.written_end = 0
         self._shadowed = [-1] * self.size
-        self._ring = None
+        self._ring = self._rows = None
         self._pair()
 
     def _pair(self) -> None:
@@ -131,6 +116,57 @@ class NativeResidual:
         """The slot each entry in use shadows, where the host knows it (``None`` otherwise)."""
         return None if self._shadowed is None else self._shadowed[: self.held]
 
+    # --- rows apart -------------------------------------------------------------------------
+    @property
+    def rows_apart(self) -> bool:
+        return self._rows is not None
+
+    def part_rows(self) -> None:
+        """From now on each row and head pushes on its own (a padded batch: see the module); the
+        entries held so far stay, each row's next push where the shared one was."""
+        if not self.size or self._rows is not None:
+            return
+        self._rows = torch.full(self.slots.shape[:2], self._next, dtype=torch.long, device=self.slots.device)
+        self._shadowed = None
+        self.held = self.size
+
+    def _note_rows(
+        self, slots: SlotIndex, fresh: torch.Tensor, push: bool, departures: bool, ranks: torch.Tensor | None
+    ) -> Departed | None:
+        """:meth:`note` and :meth:`write_static` with rows apart, on the device: entries shadowing a
+        written slot take its content; then each row and head pushes the newest ``size`` of its real
+        tokens in rank order (``ranks``: ``-1`` for a pad; every token real where ``None``), unless
+        the write names shared slots that row already shadows, every one (a row alone refreshes
+        them and pushes nothing), or per-row slots (always pushed, as alone)."""
+        batch, heads, q = fresh.shape[:3]
+        shared = isinstance(slots, int) or slots.dim() == 1
+        written = slots_per_row(slots, fresh)
+        real = (
+            torch.ones(batch, heads, q, dtype=torch.bool, device=fresh.device)
+            if ranks is None
+            else (ranks.to(fresh.device).view(batch, -1, q) >= 0).expand(batch, heads, q)
+        )
+        match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
+        refreshed = fresh.gather(2, expand_slots(match.to(torch.uint8).argmax(dim=-1), fresh))
+        self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
+        if not push:
+            return None
+        count = real.sum(dim=-1)  # [batch, heads]
+        if shared:  # a row that shadows every slot it writes only refreshed them
+            count = count.masked_fill((match.any(dim=-2) | ~real).all(dim=-1), 0)
+        taken = count.clamp(max=self.size)
+        rank = torch.arange(q, device=fresh.device) if ranks is None else ranks.to(fresh.device).view(batch, -1, q)
+        order = torch.where(real, rank - q, 0)
+        arrival = order.argsort(dim=-1)  # each row's real tokens first, in rank order
+        ahead = (torch.arange(self.size, device=fresh.device) - self._rows.unsqueeze(-1)).remainder(self.size)
+        pushed = ahead < taken.unsqueeze(-1)  # [batch, heads, size]: the entries this push overwrites
+        source = arrival.gather(-1, (count - taken).unsqueeze(-1).add(ahead).clamp(max=q - 1))
+        departed = Departed(self.slots.masked_fill(~pushed, -1), self.values.clone()) if departures else None
+        self.values.copy_(torch.where(pushed.unsqueeze(-1), fresh.gather(2, expand_slots(source, fresh)), self.values))
+        self.slots.copy_(torch.where(pushed, written.gather(-1, source), self.slots))
+        self._rows.add_(taken).remainder_(self.size)
+        return departed
+
     # --- eager writes --------------------------------------------------------------------
     def departing(self, count: int) -> list[int] | None:
         """The slots shadowed by the entries a push of ``count`` would overwrite (``-1``: an entry in
@@ -142,7 +178,13 @@ class NativeResidual:
         return [self._shadowed[(self._next + offset) % self.size] for offset in range(count)]
 
     def note(
-        self, slots: SlotIndex, fresh: torch.Tensor, capacity: int, push: bool = True, departures: bool = False
+        self,
+        slots: SlotIndex,
+        fresh: torch.Tensor,
+        capacity: int,
+        push: bool = True,
+        departures: bool = False,
+        ranks: torch.Tensor | None = None,
     ) -> Departed | None:
         """Keep native copies of ``fresh`` (``[batch, heads, q, width]``) just written to ``slots``.
 
@@ -150,6 +192,7 @@ class NativeResidual:
         ``min(q, size)`` tokens are pushed, unless every slot written was shadowed already (a
         rewrite of shadowed slots refreshes them in place and pushes nothing), or ``push`` is false.
         ``departures``: return the entries the push overwrote (``None`` when nothing was pushed).
+        ``ranks``: a padded batch's write (:meth:`~.base.Storage.write`): rows push apart from now on.
         """
         q = fresh.shape[-2]
         start, end = (slots, slots + q) if isinstance(slots, int) else (0, capacity)  # device slots may touch any slot
@@ -157,6 +200,10 @@ class NativeResidual:
         self.written_end = max(self.written_end, end)
         if not self.size:
             return None
+        if ranks is not None:
+            self.part_rows()
+        if self._rows is not None:
+            return self._note_rows(slots, fresh, push, departures, ranks)
         if self.held and not unwritten:
             if self._shadowed is None or not isinstance(slots, int):  # per-row slots: refresh on the device, always push
                 self._refresh(slots, fresh)
@@ -219,6 +266,8 @@ class NativeResidual:
             return keys, values
         if paired is None and cpu_kernels.overlay_entries(keys, values, self.values, self.slots, self.held):
             return keys, values
+        if self._rows is not None:  # rows apart: which entries are in use is on the device
+            return self.override(keys, values, torch.arange(length, device=keys.device))
         if length >= self.written_end:  # every entry shadows a slot inside the read
             if self.held < self.size:
                 self._scatter(keys, values, paired, self.slots[:, :, : self.held], self.values[:, :, : self.held])
@@ -295,7 +344,9 @@ class NativeResidual:
         return all(first.get(slot, self.size + 1) > offset for offset, slot in enumerate(entries) if slot >= 0)
 
     def static_tensors(self) -> list[torch.Tensor]:
-        return [self._ring, self.values, self.slots] if self.size else [self._ring]
+        if not self.size:
+            return [self._ring]
+        return [self._ring, self.values, self.slots] + ([self._rows] if self._rows is not None else [])
 
     def write_static(self, slots: torch.Tensor, fresh: torch.Tensor, push: bool, departures: bool = False) -> Departed | None:
         """The rules of :meth:`note`, decided on the device: entries shadowing a written slot take
@@ -303,6 +354,8 @@ class NativeResidual:
         ``departures``: return the entries the push overwrote (slot ``-1`` where none was)."""
         if not self.size:
             return None
+        if self._rows is not None:
+            return self._note_rows(slots, fresh, push, departures, None)
         q = fresh.shape[-2]
         written = slots.view(1, 1, -1) if slots.dim() == 1 else slots
         unchecked = push and self._unshadowed and q == 1  # one new token on a slot no entry shadows: pushed
@@ -348,6 +401,8 @@ class NativeResidual:
             return keys, values
         if paired is None and cpu_kernels.overlay_entries(keys, values, self.values, self.slots, self.size):
             return keys, values
+        if self._rows is not None:
+            return self.override(keys, values, torch.arange(keys.shape[2], device=keys.device))
         if self._all_in_use:  # as an eager read once the ring is full
             self._scatter_every_entry(keys, values, paired)
             return keys, values
@@ -359,7 +414,7 @@ class NativeResidual:
 
     def leave_static(self, capacity: int) -> None:
         """The host bookkeeping from the device (one read, outside decode steps)."""
-        if not self.size or self._ring is None:
+        if not self.size or self._ring is None or self._rows is not None:
             return
         shadowed = self.slots[0, 0].tolist()
         self.held = sum(slot >= 0 for slot in shadowed)
@@ -372,11 +427,13 @@ class NativeResidual:
         if self.size:
             self.values = self.values.index_select(0, batch_index)
             self.slots = self.slots.index_select(0, batch_index)
+            if self._rows is not None:
+                self._rows = self._rows.index_select(0, batch_index)
             self._pair()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.values, self.slots) if t is not None)
+        return sum(t.nbytes for t in (self.values, self.slots, self._rows) if t is not None)
 
     def bytes_held(self, tokens: int) -> int:
         """The native copies that ``tokens`` kept tokens use (the ring holds at most ``size``)."""
