@@ -18,7 +18,7 @@ Two things a plain ring with ``sinks > 0`` does not do:
   ``j + max(p, sinks)`` (one of the row's sinks) as it arrives. The slot stays masked until that
   token leaves the ring, so no token is ever seen twice. The pad count comes from the first
   forward's padding; rotation offsets are per row (``e - p``, the row's own evictions). Where the
-  storage holds each row's tokens apart (:attr:`~hf_kvpolicies.storage.base.Storage.keeps_pads_out`:
+  storage holds each row's tokens apart (:attr:`~hf_kvpolicies.storage.base.Storage.holds_rows_apart`:
   integer codes grouped per channel, a native residual of each row's newest tokens), each displaced
   sink is stored in its sink slot as it arrives, where the row alone writes it, and its copy in
   the ring is hidden: those that come with the prompt are seen there from the next forward on,
@@ -104,7 +104,7 @@ class SinkRetention(RingRetention):
             return super().update(storage, keys, values, padding, query)
         q = keys.shape[-2]
         if self.seen == 0:
-            self._on_arrival = self._padded and storage.keeps_pads_out
+            self._on_arrival = self._padded and storage.holds_rows_apart
         late = self._on_arrival and self.seen > 0 and bool(self._arriving(q).any())
         if late and q > 1:
             raise ValueError(

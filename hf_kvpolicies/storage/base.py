@@ -37,10 +37,15 @@ class Storage(ABC):
         return self.dtype is not None
 
     keeps_pads_out = False
-    """True when the storage holds each row's real tokens apart (codes that span slots, a native
-    residual of each row's newest tokens), so it must be told where a padded batch's pads are
-    (:meth:`write`'s ``ranks``) even where the retention keeps tokens in position order and the
-    model's own mask serves."""
+    """True when the storage's codes span slots and group each row's real tokens apart, so it must
+    be told where a padded batch's pads are (:meth:`write`'s ``ranks``) even where the retention
+    keeps tokens in position order and the model's own mask serves."""
+
+    holds_rows_apart = False
+    """True when the storage holds something of each row's own beyond its slots (codes that group
+    each row's tokens, a native residual of each row's newest tokens): a retention that moves a
+    padded row's tokens about (the sink retention's displaced sinks) then stores them where the row
+    alone holds them, and ranks its writes."""
 
     @property
     @abstractmethod

@@ -168,7 +168,7 @@ class FP8Storage(Storage):
         self.scales: torch.Tensor | None = None
         """``uint8 [batch, heads, capacity, 2]``: E8M0 codes (key, value), scale ``2**(code - 127)``."""
         self.ring = NativeResidual(self.residual)
-        self.keeps_pads_out = self.residual > 0  # each row's residual holds its own newest tokens
+        self.holds_rows_apart = self.residual > 0  # each row's residual holds its own newest tokens
         self._pending = PendingTokens()
         """Slots the residual holds whose fp8 bytes wait until they leave it (appends of ``int`` slots)."""
         self.key_dim = 0  # keys fill the payload's first key_dim bytes, values the rest

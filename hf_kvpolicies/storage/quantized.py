@@ -79,8 +79,8 @@ class QuantizedStorage(Storage):
                 f"natively in the residual until their group is complete: residual must be >= group_size, got "
                 f"residual={residual}; raise it, lower group_size, or use key_axis='token'"
             )
-        self.per_channel = key_axis == "channel"
-        self.keeps_pads_out = self.per_channel or residual > 0
+        self.per_channel = self.keeps_pads_out = key_axis == "channel"
+        self.holds_rows_apart = self.per_channel or residual > 0
         if sinks is None:
             sinks = DEFAULT_SINKS if self.per_channel else 0
         self.sinks = check_int("sinks", sinks, minimum=0)

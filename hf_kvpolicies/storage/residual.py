@@ -141,6 +141,8 @@ class NativeResidual:
         batch, heads, q = fresh.shape[:3]
         shared = isinstance(slots, int) or slots.dim() == 1
         written = slots_per_row(slots, fresh)
+        if q == 1 and ranks is None:
+            return self._note_token(written, fresh, push, departures, shared)
         real = (
             torch.ones(batch, heads, q, dtype=torch.bool, device=fresh.device)
             if ranks is None
@@ -165,6 +167,27 @@ class NativeResidual:
         self.values.copy_(torch.where(pushed.unsqueeze(-1), fresh.gather(2, expand_slots(source, fresh)), self.values))
         self.slots.copy_(torch.where(pushed, written.gather(-1, source), self.slots))
         self._rows.add_(taken).remainder_(self.size)
+        return departed
+
+    def _note_token(
+        self, written: torch.Tensor, fresh: torch.Tensor, push: bool, departures: bool, shared: bool
+    ) -> Departed | None:
+        """:meth:`_note_rows` for one token per row (a decode step): the same rules in a few
+        operations, each row's entry at its own ring position."""
+        match = self.slots == written  # [batch, heads, size]
+        self.values.copy_(torch.where(match.unsqueeze(-1), fresh, self.values))
+        if not push:
+            return None
+        at = self._rows.unsqueeze(-1)  # [batch, heads, 1]
+        old_slots, old_values = self.slots.gather(-1, at), self.values.gather(2, expand_slots(at, self.values))
+        if shared:  # a row that shadows the slot only refreshed it
+            kept = match.any(dim=-1, keepdim=True)
+            written = torch.where(kept, old_slots, written)
+            fresh = torch.where(kept.unsqueeze(-1), old_values, fresh)
+        departed = Departed(old_slots.masked_fill(kept, -1) if shared else old_slots, old_values) if departures else None
+        self.values.scatter_(2, expand_slots(at, fresh), fresh)
+        self.slots.scatter_(-1, at, written)
+        self._rows.add_(~kept.squeeze(-1) if shared else 1).remainder_(self.size)
         return departed
 
     # --- eager writes --------------------------------------------------------------------
