@@ -90,8 +90,17 @@ INT_STORAGE = "int4:group_size=4;residual=4"
 hold most of them natively)."""
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8", INT_STORAGE])
-@pytest.mark.parametrize("name", sorted(POLICIES))
+STORED_LAYOUTS = ["window", "sink-cache", "full-presized", "h2o", "h2o-pooled-heads", "snapkv-adaptive-layers", "kvzip-defaults"]
+"""The write patterns a stored format's static step meets: one shared slot (a ring, an append), the
+sinks' keys rewritten, a slot per row and head, pooled heads, layers of their own sizes. Every policy
+compiles on native storage; each stored format compiles under each pattern (that every policy's
+static step gives its eager logits in every format is tested without compiling, below)."""
+
+
+@pytest.mark.parametrize(
+    "name, storage",
+    [(name, "native") for name in sorted(POLICIES)] + [(name, s) for s in ("fp8", INT_STORAGE) for name in STORED_LAYOUTS],
+)
 def test_compiled_decoding_traces_once_and_matches_eager(name, storage, one_thread):
     model = tiny_llama()
     prompt = random_ids(1, PROMPT, seed=3)
