@@ -527,6 +527,22 @@ def test_beam_search_reorders_codes_scales_and_residual(bits):
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["sink:sink_tokens=12,window=20,storage=int4", "h2o:heavy=8,recent=8,storage=int2:residual=8;group_size=4"])
+def test_beam_search_over_a_padded_batch_equals_each_row_alone(spec, one_thread):
+    """Beams reorder each row's own residual ring position with its entries: rows of 40, 9 and 25
+    tokens, 3 beams each, give the sequences and scores each row's beam search gives alone."""
+    model = tiny_qwen3().to(torch.float64)
+    rows = [random_ids(1, n, seed=i + 1) for i, n in enumerate((40, 9, 25))]
+    ids, mask = left_padded(rows)
+    kwargs = dict(max_new_tokens=10, num_beams=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, cache=from_spec(model, spec), **kwargs)
+        for i, row in enumerate(rows):
+            alone = model.generate(row, cache=from_spec(model, spec), **kwargs)
+            assert batch.sequences[i, ids.shape[1] :].tolist() == alone.sequences[0, row.shape[1] :].tolist()
+            assert abs(float(batch.sequences_scores[i] - alone.sequences_scores[0])) < 1e-9
+
+
 # --- bytes --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [1, 127, 128, 129, 1000])
 @pytest.mark.parametrize(("bits", "options"), [(8, ""), (4, ""), (2, ""), (4, "residual=128;sinks=4"), (2, "key_axis=token;group_size=48")])

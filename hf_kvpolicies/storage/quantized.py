@@ -411,8 +411,9 @@ class QuantizedStorage(Storage):
         if push:
             groups = _groups_of(self._physical(departed.slots), self.group_size, keys)
         else:
-            groups = _groups_of(self._physical(slots), self.group_size, keys)
-            natives.append((self._physical(slots), keys))
+            physical = self._physical(slots)
+            groups = _groups_of(physical, self.group_size, keys)
+            natives.append((physical, keys))
         self.keys.code(groups, natives)
 
     def read_static(self) -> tuple[torch.Tensor, torch.Tensor]:
