@@ -31,7 +31,7 @@ import torch
 
 from ..rope import Rotary
 from ..storage import Storage
-from ..storage.base import SlotIndex
+from ..storage.base import SlotIndex, expand_slots
 from .window import RingRetention
 
 
@@ -74,12 +74,9 @@ class SinkRetention(RingRetention):
         self._offset: int | torch.Tensor = 0  # rotation the stored sinks carry
         self._sink_turned: torch.Tensor | None = None  # static steps: rotate_half of the sinks as they arrived
         self._attend_first = False
-        """A padded batch's prompt, where the storage groups each row's tokens (channel keys): each
-        row's displaced sinks are stored in its sink slots with the prompt, where the row alone
-        holds them, so the prompt is attended as it came, then stored (:meth:`plan`)."""
-        self._placed_end = 0
-        """Positions below which the displaced sinks went to their sink slots as they arrived (and
-        are seen there, their copies in the ring not)."""
+        """A padded batch's prompt, where displaced sinks are stored on arrival: each row's are
+        stored in its sink slots with the prompt, where the row alone holds them, so the prompt is
+        attended as it came, then stored (:meth:`plan`)."""
         self._on_arrival = False
         """Displaced sinks go to their sink slots as they arrive (a padded batch in a storage that
         holds rows apart): see the module."""
@@ -123,8 +120,6 @@ class SinkRetention(RingRetention):
         self._attend_first = self._on_arrival and self.seen == 0 and q > self.sinks
         if self._attend_first:
             keys, values = self._sinks_in_place(keys, values)
-        if self._on_arrival:
-            self._placed_end = self.seen + q
         try:
             out = super().update(storage, keys, values, padding, query)
         finally:
@@ -192,9 +187,10 @@ class SinkRetention(RingRetention):
         position = positions.to(device).view(1, -1)
         real = padding[:, positions.to(device)].to(torch.bool)
         displaced_from = pads.clamp(min=sinks)  # where a row's sinks beyond the sink slots begin
+        placed = int(positions.max()) + 1 if self._on_arrival else 0  # sinks arrived by this write's end
         in_sink_slot = position < sinks
-        placed_with_prompt = (position < pads) & (position + displaced_from < self._placed_end)
-        ring_copy = (position >= displaced_from) & (position < pads + sinks) & (position < self._placed_end)
+        placed_with_prompt = (position < pads) & (position + displaced_from < placed)
+        ring_copy = (position >= displaced_from) & (position < pads + sinks) & (position < placed)
         held = torch.where(in_sink_slot, real | placed_with_prompt, real & ~ring_copy)
         order = torch.where(in_sink_slot, (position - pads.clamp(max=sinks)).remainder(sinks), sinks + position)
         rank = order.masked_fill(~held, sinks + int(positions.max()) + 1).argsort(dim=-1).argsort(dim=-1)
@@ -213,8 +209,7 @@ class SinkRetention(RingRetention):
         received = displaced_from + slot
         ring = key_pos[sinks:]
         floor = int(ring[ring >= 0].min())
-        # stored on arrival: by the end of this forward; else with the prompt, once it was attended
-        placed = int(key_pos.max()) + 1 if self._on_arrival else min(self._placed_end, self.seen)
+        placed = int(key_pos.max()) + 1 if self._on_arrival else 0  # stored on arrival: by this forward's end
         shown = (slot < pads) & torch.where(received < placed, True, received < floor)
         copies = (ring >= displaced_from) & (ring < pads + sinks) & (ring < placed)
         real[:, :sinks] |= shown.to(real.device)
@@ -237,8 +232,7 @@ class SinkRetention(RingRetention):
         if self.leads:
             self.shared.cos_sin = None
         self.pads = self.sink_keys = self.sink_values = self._sink_turned = None
-        self._padded, self._pins_end, self._stale, self._offset, self._placed_end = False, 0, False, 0, 0
-        self._on_arrival = False
+        self._padded, self._pins_end, self._stale, self._offset, self._on_arrival = False, 0, False, 0, False
 
     @property
     def state_nbytes(self) -> int:
@@ -281,11 +275,9 @@ class SinkRetention(RingRetention):
         slots' places in what is stored (those slots are masked while the sinks' own copies stay in
         the ring, and the prompt's attention reads the forward's keys), so the storage holds them
         from the first write, unrotated, as a row alone holds its sinks then."""
-        sinks, q = self.sinks, keys.shape[-2]
-        slot = torch.arange(sinks)
-        received = (slot < self.pads[:, None]) & (self.pads.clamp(min=sinks)[:, None] + slot < q)
+        sinks = self.sinks
         self._stale = False  # the others are stored as they arrive
-        shown = received.to(keys.device)[:, None, :, None]
+        shown = self._arriving(keys.shape[-2]).to(keys.device)[:, None, :, None]
         sink_keys = torch.where(shown, self.sink_keys.to(keys.dtype), keys[:, :, :sinks])
         sink_values = torch.where(shown, self.sink_values, values[:, :, :sinks])
         return torch.cat([sink_keys, keys[:, :, sinks:]], dim=-2), torch.cat([sink_values, values[:, :, sinks:]], dim=-2)
@@ -294,16 +286,14 @@ class SinkRetention(RingRetention):
         """A one-token forward's displaced sink goes to its sink slot now, as the row alone writes
         it: pushed into its residual and placed in its key groups (``ranks`` 0), while every other
         row rewrites its first sink slot as it holds it (``ranks`` -1: nothing moves)."""
-        sinks, device = self.sinks, self.sink_values.device
-        slot = self.seen - self.pads.clamp(min=sinks)
-        arriving = (slot >= 0) & (slot < self.pads.clamp(max=sinks))
-        slot = slot.masked_fill(~arriving, 0).to(device)
+        arriving = self._arriving(1)  # [batch, sinks]: at most one slot per row
         batch, heads = self.sink_values.shape[:2]
+        slot = arriving.long().argmax(dim=-1).to(self.sink_values.device)  # slot 0 for the other rows
         index = slot.view(batch, 1, 1).expand(batch, heads, 1)
         held = self.sink_keys if self.rotary is None else self.rotary.rotate(self.sink_keys, self._offset)
-        keys = held.gather(2, index[..., None].expand(-1, -1, -1, held.shape[-1])).to(self.sink_values.dtype)
-        values = self.sink_values.gather(2, index[..., None].expand(-1, -1, -1, self.sink_values.shape[-1]))
-        ranks = arriving.long().sub(1).view(batch, 1, 1)
+        keys = held.gather(2, expand_slots(index, held)).to(self.sink_values.dtype)
+        values = self.sink_values.gather(2, expand_slots(index, self.sink_values))
+        ranks = arriving.any(dim=-1).long().sub(1).view(batch, 1, 1)
         storage.write(index, keys, values, ranks=ranks)
         self._stale = False
 

@@ -199,6 +199,13 @@ def slots_per_row(slots: SlotIndex, like: torch.Tensor) -> torch.Tensor:
     return (run.view(1, 1, q) if run.dim() == 1 else run).expand(batch, heads, q)
 
 
+def ranks_per_row(ranks: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, q]``: :meth:`Storage.write`'s ``ranks`` (``[batch, q]``, ``[batch, 1, q]`` or
+    ``[batch, heads, q]``) for each head of a write of ``like``, on its device."""
+    batch, heads, q = like.shape[:3]
+    return ranks.to(like.device).view(batch, -1, q).expand(batch, heads, q)
+
+
 def expand_slots(slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Broadcast a slot index to ``like``'s ``[batch, heads, q, head_dim]`` for gather/scatter."""
     if slots.dim() == 1:

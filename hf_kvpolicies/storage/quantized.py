@@ -41,7 +41,7 @@ import torch
 
 from ..validation import check_choice, check_int
 from .affine import BITS, round_trip, scale_dtype
-from .base import SlotIndex, Storage, UpcomingSlots, expand_slots, slot_run, slots_per_row
+from .base import SlotIndex, Storage, UpcomingSlots, expand_slots, ranks_per_row, slot_run, slots_per_row
 from .quantized_codes import ChannelCodes, TokenCodes
 from .residual import Departed, NativeResidual, PendingTokens
 
@@ -219,14 +219,13 @@ class QuantizedStorage(Storage):
         group, as in a row alone), a slot that held none takes the row's next free one, in the
         order of ``ranks`` (slot order where ``None``), unless the write brings no new token (a
         :meth:`rewrite`: a slot with no real token holds a pad still)."""
-        batch, heads, q = keys.shape[:3]
         logical = slots_per_row(slots, keys)
         taken = self._place.gather(-1, logical)
         if ranks is None:
             fresh = (taken < 0) & new
             order = fresh.cumsum(dim=-1) - 1
         else:
-            order = ranks.to(self.device).view(batch, -1, q).expand(batch, heads, q)
+            order = ranks_per_row(ranks, keys)
             fresh = (taken < 0) & (order >= 0)
         placed = torch.where(fresh, self._placed.unsqueeze(-1) + order, taken)
         self._place.scatter_(-1, logical, placed)
@@ -435,8 +434,8 @@ def _in_arrival_order(
     the row's residual does not take (it pushes each row's newest real tokens).
     Returns ``[batch, heads, q]`` slots with the keys, values and ranks in that order, or the write
     as given where that is its order already (a left-padded prompt: pads first)."""
-    batch, heads, q = keys.shape[:3]
-    ranks = ranks.to(keys.device).view(batch, -1, q).expand(batch, heads, q)
+    q = keys.shape[-2]
+    ranks = ranks_per_row(ranks, keys)
     within = torch.arange(q, device=keys.device)
     order = torch.where(ranks >= 0, q + ranks, within).argsort(dim=-1)
     if bool((order == within).all()):  # (a prompt or a trim: one look at the host per write)

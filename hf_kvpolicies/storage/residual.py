@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
-from .base import SlotIndex, UpcomingSlots, allocated, expand_slots, slots_per_row
+from .base import SlotIndex, UpcomingSlots, allocated, expand_slots, ranks_per_row, slots_per_row
 
 
 @dataclass
@@ -143,11 +143,8 @@ class NativeResidual:
         written = slots_per_row(slots, fresh)
         if q == 1 and ranks is None:
             return self._note_token(written, fresh, push, departures, shared)
-        real = (
-            torch.ones(batch, heads, q, dtype=torch.bool, device=fresh.device)
-            if ranks is None
-            else (ranks.to(fresh.device).view(batch, -1, q) >= 0).expand(batch, heads, q)
-        )
+        rank = torch.arange(q, device=fresh.device).expand(batch, heads, q) if ranks is None else ranks_per_row(ranks, fresh)
+        real = rank >= 0
         match = self.slots.unsqueeze(-1) == written.unsqueeze(-2)  # [batch, heads, size, q]
         refreshed = fresh.gather(2, expand_slots(match.to(torch.uint8).argmax(dim=-1), fresh))
         self.values.copy_(torch.where(match.any(dim=-1, keepdim=True), refreshed, self.values))
@@ -157,7 +154,6 @@ class NativeResidual:
         if shared:  # a row that shadows every slot it writes only refreshed them
             count = count.masked_fill((match.any(dim=-2) | ~real).all(dim=-1), 0)
         taken = count.clamp(max=self.size)
-        rank = torch.arange(q, device=fresh.device) if ranks is None else ranks.to(fresh.device).view(batch, -1, q)
         order = torch.where(real, rank - q, 0)
         arrival = order.argsort(dim=-1)  # each row's real tokens first, in rank order
         ahead = (torch.arange(self.size, device=fresh.device) - self._rows.unsqueeze(-1)).remainder(self.size)
