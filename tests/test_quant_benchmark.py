@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from eval.benchmarks import quant
 from eval.benchmarks.quant import found, targets
 from eval.benchmarks.runner import Contender
 
@@ -46,3 +49,12 @@ def test_each_target_is_met_or_missed_on_its_own_figures():
         "needles: snapkv 256 int4 finds 35, native 37 (MISSED, target within 1)",
     ]
     assert found(needles[3]) == 6
+
+
+def test_without_quanto_it_stops_before_measuring_and_names_the_install(monkeypatch, capsys):
+    monkeypatch.setattr(quant, "is_optimum_quanto_available", lambda: False)
+    monkeypatch.setattr(quant, "run", lambda *args, **kwargs: pytest.fail("measured without quanto"))
+    with pytest.raises(SystemExit) as stopped:
+        quant.main(["--contexts", "64"])
+    assert stopped.value.code == 2
+    assert "pip install 'hf-kvpolicies[bench]'" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel, QuantizedCache
+from transformers.utils import is_optimum_quanto_available
 
 from hf_kvpolicies import FullCache, SlidingWindowCache, SnapKVCache
 from hf_kvpolicies.storage.quantized import DEFAULT_GROUP, DEFAULT_RESIDUAL
@@ -153,12 +154,20 @@ def targets(results: dict[str, Contender], contexts: list[int], ppl_tokens: int,
     return lines
 
 
-def main() -> None:
+QUANTO_MISSING = (
+    "the integer storage benchmark sets transformers' QuantizedCache(backend='quanto') beside each format, which "
+    "needs optimum-quanto: pip install 'hf-kvpolicies[bench]' (or pip install optimum-quanto)"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = arguments(__doc__.splitlines()[0], contexts=(1024, 4096))
     parser.add_argument("--residuals", type=int, nargs="*", default=[128], help="other residuals: perplexity and bytes (KIVI's 128)")
     parser.add_argument("--needle-cases", type=int, default=40, help="needle prompts, split over 1K and 2K (0: skip)")
     parser.add_argument("--trim-tokens", type=int, default=2000, help="tokens of the trim-cost streams (0: skip)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not is_optimum_quanto_available():  # before minutes of work, not at the first quanto contender
+        parser.error(QUANTO_MISSING)
     from hf_kvpolicies.models import load_model
 
     chosen = contenders()
