@@ -12,9 +12,12 @@ cache's own methods (:class:`ForwardParticipant`):
   keep different numbers of keys), ``query_rows(layer_idx)`` (whether, and how many of, this
   forward's queries the layer's policy reads) and ``queries_before_rope(layer_idx)`` (whether it
   reads them before their rotation);
-* a forward hook on each attention module's ``q_proj``: the query rebuilt as the module builds it
-  (``rope(q_norm(q_proj(x)))``, or ``q_norm(q_proj(x))`` before the rotation, from the projection
-  it has just computed) and handed over with ``receive_query(layer_idx, query, scaling)``;
+* the query handed over with ``receive_query(layer_idx, query, scaling)`` before the layer's
+  cache update: the rotated query as the model rotates it, taken from the result of its modeling
+  file's ``apply_rotary_pos_emb`` (wrapped once per modeling file: the wrapper returns what the
+  function returns and, while a layer's pre-hook has armed it, passes the query on, so reading
+  it costs no operation), or, for a policy that reads the queries before their rotation,
+  ``q_norm(q_proj(x))`` from a forward hook on the module's ``q_proj``;
 * a decoder forward hook: ``after_forward()``.
 
 Where a layer's statistic computes the softmax probabilities of every query of a forward over
@@ -32,10 +35,10 @@ when a cache needs them (:func:`serve_attention`, :func:`serve_queries`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import uuid
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -50,9 +53,6 @@ ATTRIBUTE = "_hf_kvpolicies_dispatcher"
 CACHE_KWARGS = ("cache", "past_key_values")
 """Where a forward carries its cache (``past_key_values`` before transformers 5.40)."""
 QUERY_POLICIES = "a query-scored cache (H2O, SnapKV, TOVA, KVzip)"
-
-Rope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
 
 class ForwardParticipant(Protocol):
     """What a cache implements to take part in the forwards of the model it was built with."""
@@ -100,6 +100,7 @@ class Dispatcher:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         for tap in self.taps or ():  # a forward that raised between a swap and its attention
             tap.restore()
+        ROTATION.disarm()
         cache = cache_in(kwargs)
         if not participates(cache):
             self.current = None
@@ -135,12 +136,13 @@ class Dispatcher:
             setattr(module, TAP_ATTRIBUTE, tap)
 
     def serve_queries(self, model: nn.Module) -> None:
-        """Install the query hooks, once; ``ValueError`` for a model whose queries cannot be rebuilt."""
+        """Install the query hooks, once; ``ValueError`` for a model whose queries cannot be read."""
         modules = attention_modules(model)
         self.serve_attention()
         for tap, module in zip(self.taps, modules):
-            if tap.rope is None:
-                tap.rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+            if not tap.serves_queries:
+                tap.serves_queries = True
+                tap_rotation(sys.modules[type(module).__module__])
                 self.handles.append(module.q_proj.register_forward_hook(tap.capture))
 
     def remove(self) -> None:
@@ -157,10 +159,9 @@ class _AttentionTap:
 
     def __init__(self, dispatcher: Dispatcher, module: nn.Module) -> None:
         self.dispatcher, self.module = dispatcher, module
-        self.rope: Rope | None = None  # set once queries are served
+        self.serves_queries = False
         self.rows: int | None = None
-        self.position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
-        """The rotation of this forward's queries; ``None`` where the policy reads them before it."""
+        """How many of this forward's last queries to hand over before their rotation (``q_proj``'s hook)."""
         self.own_implementation: str | None = None
         """The module's configured attention while :func:`shared_attention` stands in for it."""
 
@@ -169,16 +170,18 @@ class _AttentionTap:
         policy that reads the queries before their rotation computes no attention probabilities, so
         any attention kernel serves it."""
         cache = self.dispatcher.current
-        self.rows, self.position_embeddings = None, None
+        self.rows = None
+        ROTATION.disarm()  # a layer that does not read its queries never receives another's
         if cache is None:
             return None
         layer = module.layer_idx
-        rows = cache.query_rows(layer) if self.rope is not None else None
+        rows = cache.query_rows(layer) if self.serves_queries else None
         if rows is not None:
-            self.rows = rows
-            if not cache.queries_before_rope(layer):
+            if cache.queries_before_rope(layer):
+                self.rows = rows
+            else:
                 check_attention_implementation(type(cache).__name__, module.config._attn_implementation)
-                self.position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+                ROTATION.arm(self, rows)
                 hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 several = hidden.shape[1] > 1  # a decode step keeps the model's attention: nothing to ask
                 if several and rows == ALL_QUERIES and not module.training and cache.computes_attention(layer):
@@ -191,20 +194,18 @@ class _AttentionTap:
         return args, kwargs
 
     def capture(self, q_proj: nn.Module, args: tuple, projected: torch.Tensor) -> None:
-        """Finish the query as the module does and hand it over (only the last ``rows`` rows where
-        the policy reads no more: a prefill's other queries are never rotated)."""
+        """Normalise the query before its rotation as the module does and hand it over (only the
+        last ``rows`` rows where the policy reads no more)."""
         rows, self.rows = self.rows, None
         if rows is None:
             return
-        module = self.module
-        rotation, self.position_embeddings = self.position_embeddings, None
         if rows != ALL_QUERIES and rows < projected.shape[1]:
             projected = projected[:, -rows:]
-            rotation = None if rotation is None else tuple(t[:, -rows:] for t in rotation)
-        query = query_before_rope(module, projected)
-        if rotation is not None:
-            query, _ = self.rope(query, query[:, :0], *rotation)  # the rotation takes a key too: an empty one
-        self.dispatcher.current.receive_query(module.layer_idx, query, module.scaling)
+        self.hand_over(query_before_rope(self.module, projected))
+
+    def hand_over(self, query: torch.Tensor) -> None:
+        """``query`` (``[batch, heads, rows, head_dim]``) to the forward's cache, for this layer."""
+        self.dispatcher.current.receive_query(self.module.layer_idx, query, self.module.scaling)
 
     def restore(self) -> str | None:
         """Put the module's own attention implementation back (if swapped); returns it."""
@@ -212,6 +213,52 @@ class _AttentionTap:
         if own is not None:
             self.module.config._attn_implementation = own
         return own
+
+
+class _ArmedRotation:
+    """Which layer the next rotation's query goes to (armed by the layer's pre-hook, one call).
+
+    One per process, as the wrapped functions are: forwards of query-scored caches run one at a
+    time (two models forwarding in two threads at once would hand each other their queries)."""
+
+    def __init__(self) -> None:
+        self.tap: _AttentionTap | None = None
+        self.rows = ALL_QUERIES
+
+    def arm(self, tap: _AttentionTap, rows: int) -> None:
+        self.tap, self.rows = tap, rows
+
+    def disarm(self) -> None:
+        self.tap = None
+
+    def receive(self, query: torch.Tensor) -> None:
+        tap, self.tap = self.tap, None
+        if self.rows != ALL_QUERIES and self.rows < query.shape[-2]:
+            query = query[:, :, -self.rows :]
+        tap.hand_over(query)
+
+
+ROTATION = _ArmedRotation()
+WRAPPED = "_hf_kvpolicies_rotation_tap"
+
+
+def tap_rotation(modeling: Any) -> None:
+    """Wrap ``modeling.apply_rotary_pos_emb`` (once) so that an armed layer receives the rotated
+    query the model computes: the wrapper returns the function's result unchanged and, disarmed,
+    does nothing else (a model served by no cache of ours, or a layer whose policy reads no query)."""
+    rotate = modeling.apply_rotary_pos_emb
+    if getattr(rotate, WRAPPED, False):
+        return
+
+    @functools.wraps(rotate)
+    def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
+        rotated = rotate(*args, **kwargs)
+        if ROTATION.tap is not None:
+            ROTATION.receive(rotated[0])
+        return rotated
+
+    setattr(apply_rotary_pos_emb, WRAPPED, True)
+    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
 TAP_ATTRIBUTE = "_hf_kvpolicies_tap"

@@ -104,7 +104,7 @@ def check_reconstructable(model: PreTrainedModel, policy: str = "KVzipCache") ->
     """Refuse what the reconstruction cannot replay: models with sliding-window layers (their
     caches hold only the window, not the whole context that the reconstruction attends to),
     attention that :func:`replay_attention` does not compute (logit soft-capping, learned
-    attention sinks), and attention whose queries cannot be rebuilt (decoding scores from them:
+    attention sinks), and attention whose queries cannot be read (decoding scores from them:
     :func:`~hf_kvpolicies.hooks.attention_modules`)."""
     name = model.config.model_type
     sliding = [layout.index for layout in layer_layouts(model) if layout.is_sliding]

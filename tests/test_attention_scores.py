@@ -3,12 +3,14 @@ dispatcher (hooks) is installed once and inert for every other cache."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from helpers import prefill_then_decode
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
-from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, attention_scores
+from hf_kvpolicies import FullCache, H2OCache, SlidingWindowCache, TOVACache, attention_scores
 from hf_kvpolicies.attention_scores import (
     accumulated_attention,
     attention_chunks,
@@ -147,3 +149,37 @@ def test_a_query_that_sees_only_hidden_keys_stays_finite_in_every_dtype():
         for probs in (*chunks, one):
             assert torch.isfinite(probs).all(), dtype
         torch.testing.assert_close(one[0].sum(-1), torch.ones_like(one[0].sum(-1)))
+
+
+def test_each_layer_reads_the_rotated_query_its_attention_is_given(monkeypatch):
+    """The query a layer's policy reads is the one the model's attention runs on (taken from the
+    model's own rotation, not computed again): at the prefill (the rows the policy reads) and at
+    every decode step. Layers whose policy reads none (Gemma 3's sliding layers keep the model's
+    window) receive none, so no layer is handed another's query."""
+    model = tiny_gemma3()
+    model.set_attn_implementation("eager")
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    given: dict[int, list[torch.Tensor]] = {}
+    eager = modeling.eager_attention_forward
+
+    def recording(module, query, *args, **kwargs):
+        given.setdefault(module.layer_idx, []).append(query)
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", recording)
+    cache = TOVACache(model, budget=6)
+    received: dict[int, list[torch.Tensor]] = {}
+    handed_over = cache.receive_query
+
+    def receive(layer_idx, query, scaling):
+        received.setdefault(layer_idx, []).append(query)
+        handed_over(layer_idx, query, scaling)
+
+    monkeypatch.setattr(cache, "receive_query", receive)
+    prefill_then_decode(model, random_ids(1, 16), cache, prefill=12)
+    sliding = {i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"}
+    assert sliding and set(received) == set(given) - sliding
+    for layer, queries in received.items():
+        assert len(queries) == 5  # the prefill and four decode steps
+        for query, attended in zip(queries, given[layer]):
+            assert query.shape[-2] == 1 and torch.equal(query, attended[:, :, -1:])

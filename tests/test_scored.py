@@ -181,7 +181,7 @@ CASES = [
     ]
     if (policy, model) != ("knorm", "gemma3-mqa")  # Gemma 3 normalises its keys: their norms nearly tie
 ] + [("snapkv-avg7", "llama-gqa", "long prompt"), ("knorm", "llama-gqa", "short prompt fills then evicts")] + [
-    ("tova", name, "long prompt") for name in QUERY_ARCHITECTURES  # the queries rebuilt from q_proj are the model's
+    ("tova", name, "long prompt") for name in QUERY_ARCHITECTURES  # the queries read from the model's rotation are its own
 ]
 
 

@@ -109,7 +109,7 @@ class KVzipCache(ScoredCache):
     The repeat prompt is written with ``tokenizer`` (default: the one saved with the model). The
     prompt must come as ``input_ids``. Left-padded batches give each row what it keeps alone;
     beams reorder the scores. Models with sliding-window layers, and attention whose queries
-    cannot be rebuilt, are refused at construction.
+    cannot be read, are refused at construction.
     """
 
     waits_for_cache = True
