@@ -45,10 +45,10 @@ def query_probabilities(
     batch, query_heads, _, head_dim = query.shape
     kv_heads, key_count = keys.shape[1], keys.shape[2]
     if shares_one_key_row(keys):
-        rows, keys = query.reshape(batch, 1, query_heads, head_dim), keys[:, :1]
-    else:
-        rows = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
-    logits = torch.matmul(rows, keys.transpose(-1, -2)).mul_(scaling).view(batch, kv_heads, -1, key_count)
+        keys = keys[:, :1]
+    # three-dimensional products, as matmul makes of four-dimensional ones, without its expands and views
+    rows = query.reshape(batch * keys.shape[1], -1, head_dim)
+    logits = torch.bmm(rows, keys.flatten(0, 1).transpose(1, 2)).mul_(scaling).view(batch, kv_heads, -1, key_count)
     if key_mask is not None:  # the lowest finite logit, as attention_chunks
         logits = torch.where(key_mask[:, :, None], logits, lowest_logit(logits.dtype))
     return torch.softmax(logits, dim=-1, dtype=torch.float32)

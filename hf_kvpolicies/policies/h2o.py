@@ -51,9 +51,10 @@ class H2ORetention(ScoredRetention):
         return True
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        return scores + accumulated_attention(
+        """The scores so far, accumulated in place (a decode step copies nothing back)."""
+        return scores.add_(accumulated_attention(
             seen.query, seen.keys, seen.scaling, seen.first_new, None, seen.key_mask, seen.query_mask, seen.values, seen.output
-        )
+        ))
 
 
 class H2OCache(ScoredCache):

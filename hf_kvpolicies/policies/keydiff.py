@@ -43,10 +43,19 @@ class KeyDiffRetention(ScoredRetention):
         keys = keys.float()
         inverse = keys.norm(dim=-1).clamp_(min=1e-12).reciprocal_()  # [batch, heads, k]
         weights = inverse if seen.key_mask is None else inverse * seen.key_mask
-        # the sum of the unit keys: the anchor's direction, which is all a cosine reads
-        anchor = torch.matmul(weights.unsqueeze(-2), keys)  # [batch, heads, 1, dim]
-        similarity = torch.matmul(keys, anchor.transpose(-1, -2)).squeeze(-1) * inverse
-        return rounded(1 - similarity.div_(anchor.norm(dim=-1).clamp_(min=1e-12)))
+        # three-dimensional products (a decode step pays for matmul's expands and views); the sum
+        # of the unit keys is the anchor's direction, which is all a cosine reads
+        batch, heads, count = weights.shape
+        if keys.shape[1] == heads:  # a key row per head: the heads are the batch of the products
+            rows = keys.flatten(0, 1)  # [batch * heads, k, dim]
+            anchor = torch.bmm(weights.view(batch * heads, 1, count), rows)
+            similarity = torch.bmm(rows, anchor.transpose(1, 2)).view(batch, heads, count)
+        else:  # one key row under a mask per head (pooled heads): the heads are one product's rows
+            rows = keys[:, 0]  # [batch, k, dim]
+            anchor = torch.bmm(weights, rows)  # [batch, heads, dim]
+            similarity = torch.bmm(rows, anchor.transpose(1, 2)).transpose(1, 2)
+        length = anchor.norm(dim=-1).view(batch, heads, 1).clamp_(min=1e-12)
+        return rounded(1 - (similarity * inverse).div_(length))
 
 
 RECENT = 32
