@@ -233,6 +233,14 @@ class _ArmedRotation:
 
     def receive(self, query: torch.Tensor) -> None:
         tap, self.tap = self.tap, None
+        module = tap.module
+        heads = module.q_proj.out_features // module.head_dim
+        if query.dim() != 4 or query.shape[1] != heads or query.shape[-1] != module.head_dim:
+            raise ValueError(
+                f"{type(module).__name__} rotates queries shaped {tuple(query.shape)}, not [batch, {heads} heads, "
+                f"tokens, {module.head_dim}] as {QUERY_POLICIES} reads them: use a policy that needs no attention "
+                "scores (window, sink, knorm, keydiff)"
+            )
         if self.rows != ALL_QUERIES and self.rows < query.shape[-2]:
             query = query[:, :, -self.rows :]
         tap.hand_over(query)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from helpers import prefill_then_decode
 from tiny_models import random_ids, tiny_gemma3, tiny_llama
@@ -17,6 +18,7 @@ from hf_kvpolicies.attention_scores import (
     max_attention,
     query_probabilities,
 )
+from hf_kvpolicies import hooks
 from hf_kvpolicies.hooks import detach
 
 
@@ -183,3 +185,17 @@ def test_each_layer_reads_the_rotated_query_its_attention_is_given(monkeypatch):
         assert len(queries) == 5  # the prefill and four decode steps
         for query, attended in zip(queries, given[layer]):
             assert query.shape[-2] == 1 and torch.equal(query, attended[:, :, -1:])
+
+
+def test_a_rotation_in_another_layout_is_refused_by_name():
+    """A model that rotated its queries as ``[batch, tokens, heads, head_dim]`` would hand the
+    policy queries it cannot read: the forward stops with the fix instead of scoring them."""
+    model = tiny_llama()
+    TOVACache(model, budget=6)  # installs the taps
+    module = model.model.layers[0].self_attn
+    heads = module.q_proj.out_features // module.head_dim
+    tap = getattr(module, hooks.TAP_ATTRIBUTE)
+    hooks.ROTATION.arm(tap, 1)
+    with pytest.raises(ValueError, match=r"rotates queries shaped \(1, 5, %d, %d\).*use a policy that needs no attention" % (heads, module.head_dim)):
+        hooks.ROTATION.receive(torch.zeros(1, 5, heads, module.head_dim))
+    assert hooks.ROTATION.tap is None  # disarmed: the next layer's rotation goes nowhere
