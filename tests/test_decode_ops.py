@@ -32,11 +32,13 @@ BUDGET = 32
 CONTEXTS = (96, 384)
 SCORED_EXTRA = 50
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
-choosing the slot to free and writing per-slot state (30 for SnapKV, 49 for Expected Attention)."""
+choosing the slot to free and writing per-slot state (17 for SnapKV, 49 for Expected Attention)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
-CHUNK_EXTRA = 40
-"""Operations ranking in chunks may add to a layer's step (a sort, a search, two segment sums: 33)."""
+CHUNK_EXTRA = 45
+"""Operations ranking in chunks may add to a layer's step (a sort, a search, two segment sums: 33;
+41 for SnapKV, whose single tokens are chosen in the position order its pooling sorts into, a
+shortcut chunks do not take)."""
 
 
 @torch.no_grad()

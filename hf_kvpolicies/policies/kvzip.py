@@ -74,7 +74,7 @@ class KVzipRetention(ScoredRetention):
             return
         self.scores[..., : self.live] = scores  # the prompt fits: stored in order, one slot per token
         if self.has_free:  # it filled budget + 1 slots: the slot to free is chosen again, now by score
-            self.free = self.lowest(self.positions, self.ranking(self.positions, self.scores))
+            self.free = self.next_free(self.positions, self.scores)
 
     def reset(self) -> None:
         super().reset()

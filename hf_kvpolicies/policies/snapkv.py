@@ -14,7 +14,8 @@ recent queries (each as computed at its own step over the tokens kept then), and
 score, pooled as at the prefill over the kept tokens in position order, is lowest outside the
 ``window`` newest is evicted. (Unpooled, the first decode steps would evict exactly the
 neighbours that pooling kept: the other digits of a number.) The per-query attention of the
-window is the ``history`` state, ``[batch, kv_heads, window, slots]``, oldest query first.
+window is the ``history`` state, ``[batch, kv_heads, window, slots]``, a ring: the query at
+position ``p`` holds row ``p % window``, so a step writes one row in place of the oldest.
 
 The preset, :class:`SnapKVCache`, builds it in every governed layer.
 """
@@ -29,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..attention_scores import attention_chunks
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended
+from ..retention.scoring import Attended, slot_index
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -43,22 +44,35 @@ class SnapKVRetention(ScoredRetention):
         self.window, self.kernel, self.pooling = window, kernel, pooling
         self.query_rows = window  # the observation window's queries only
 
+    sets_new_state = True  # the scores are the window's sum, set whole; the history column is zeroed here
+
     def extra_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"history": torch.zeros(batch, heads, self.window, slots, dtype=torch.float32, device=device)}
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         count = min(self.window, seen.q)
-        first = seen.first_new + seen.q - count
-        chunks = attention_chunks(seen.query[:, :, -count:], seen.keys, seen.scaling, first, seen.key_mask, 1 << 62)
+        chunks = attention_chunks(
+            seen.query[:, :, -count:], seen.keys, seen.scaling, seen.first_new + seen.q - count, seen.key_mask, 1 << 62
+        )
         _, _, probs = next(chunks)
         rows = probs.sum(dim=2)  # [batch, kv_heads, count, keys]
         if seen.query_mask is not None:
             rows = rows * seen.query_mask[:, None, -count:, None]
-        history = extra["history"]
-        if count < self.window:
-            history[:, :, : self.window - count] = history[:, :, count:].clone()
-        history[:, :, self.window - count :] = rows
-        return history.sum(dim=2)
+        # a ring: the query at position p holds row p % window, so each query replaces the one
+        # ``window`` positions before it, in place
+        history, first = extra["history"], seen.first_position
+        if count < seen.q:
+            first = first + (seen.q - count)
+        if isinstance(first, torch.Tensor):  # a static decode step: one query, the device count
+            history.scatter_(-1, slot_index(seen.new_slots, history), 0.0)  # the new token's column
+            history.index_copy_(2, torch.remainder(first, self.window).view(1), rows)
+        elif count == 1:
+            history[:, :, first % self.window] = rows[:, :, 0]
+        else:
+            history[:, :, torch.arange(first, first + count, device=history.device) % self.window] = rows
+        if torch.is_grad_enabled():  # a forward outside no_grad: ``out=`` takes no part in autograd
+            return history.sum(dim=2)
+        return torch.sum(history, dim=2, out=scores)
 
     def selection_scores(
         self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None
@@ -66,16 +80,43 @@ class SnapKVRetention(ScoredRetention):
         """Scores pooled over neighbouring positions (outside the window, pads excluded)."""
         if self.kernel == 1:
             return scores
-        seen = self.seen if seen is None else seen
-        order = positions.argsort(dim=-1)
-        ordered = scores.gather(-1, order)
-        ordered_positions = positions.gather(-1, order)
-        outside = (ordered_positions >= 0) & (ordered_positions <= seen - 1 - self.protected)
-        neutral = float("-inf") if self.pooling == "max" else 0.0
-        flat = ordered.masked_fill(~outside, neutral).reshape(-1, 1, ordered.shape[-1])
-        pool = functional.max_pool1d if self.pooling == "max" else functional.avg_pool1d
-        pooled = pool(flat, self.kernel, stride=1, padding=self.kernel // 2).view_as(ordered)
+        order = positions.argsort(dim=-1, stable=True)
+        ordered = positions.gather(-1, order)
+        pooled = self._pooled(ordered, scores.gather(-1, order), self.protected_newest(ordered, seen))
         return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+    def next_free(
+        self,
+        positions: torch.Tensor,
+        scores: torch.Tensor,
+        seen: int | torch.Tensor | None = None,
+        every_slot_held: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooling orders the slots by position: the lowest is chosen in that order, where the
+        first of the lowest is the oldest, and mapped back to its slot."""
+        if self.kernel == 1 or self.chunk > 1:
+            return super().next_free(positions, scores, seen, every_slot_held, out)
+        order = positions.argsort(dim=-1, stable=True)
+        ordered = positions.gather(-1, order)
+        window = self.protected_newest(ordered, seen)
+        pooled = self._pooled(ordered, scores.gather(-1, order), window, every_slot_held)
+        chosen = self.lowest(ordered, pooled, seen, every_slot_held, ascending=True, newest=window)
+        return torch.gather(order, -1, chosen, out=out)
+
+    def _pooled(
+        self, positions: torch.Tensor, scores: torch.Tensor, window: torch.Tensor, every_slot_held: bool = False
+    ) -> torch.Tensor:
+        """``scores`` of slots in ascending ``positions``, pooled over ``kernel`` neighbours; the
+        ``window`` (a mask of it) and (unless ``every_slot_held``) empty slots take no part."""
+        hidden = window if every_slot_held else window | (positions < 0)
+        if self.pooling == "max":
+            flat = scores.masked_fill(hidden, float("-inf")).unsqueeze(-2)
+            pooled = functional.max_pool2d(flat, (1, self.kernel), stride=1, padding=(0, self.kernel // 2))
+        else:
+            flat = scores.masked_fill(hidden, 0.0).unsqueeze(-2)
+            pooled = functional.avg_pool2d(flat, (1, self.kernel), stride=1, padding=(0, self.kernel // 2))
+        return pooled.squeeze(-2)
 
 
 WINDOW = 32

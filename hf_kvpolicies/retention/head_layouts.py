@@ -124,7 +124,10 @@ class PerHead(HeadLayout):
             r.live_t.add_(1).clamp_(max=slots)
         all_keys, all_values = storage.read_static()
         key_mask = None if filled else r.positions >= 0
-        seen = Attended(all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=r.positions, new_values=values)
+        seen = Attended(
+            all_keys, keys, slots - 1, slot, query, scaling, key_mask=key_mask, positions=r.positions, new_values=values,
+            first_position=r.seen_t,
+        )
         scores = r.score(seen, r.scores, r.extra)
         if scores is not r.scores:  # a statistic that updated them in place returns them
             r.scores.copy_(scores)
@@ -132,11 +135,10 @@ class PerHead(HeadLayout):
         # so no empty slot needs ranking last
         r._static_done(storage)
         following = r.seen_t  # the device count, advanced: tokens seen after this step
-        ranked = r.ranking(r.positions, r.scores, following)
         if filled:
-            r.lowest(r.positions, ranked, following, every_slot_held=True, out=r.free)
+            r.next_free(r.positions, r.scores, following, every_slot_held=True, out=r.free)
         else:
-            lowest = r.lowest(r.positions, ranked, following, every_slot_held=True)
+            lowest = r.next_free(r.positions, r.scores, following, every_slot_held=True)
             r.free.copy_(torch.where(r.live_t >= slots, lowest, r.live_t))
         return all_keys, all_values
 
@@ -191,11 +193,11 @@ class PerHead(HeadLayout):
         r.record(slots, new_positions, keys.shape[-2])
         all_keys, all_values = storage.read(r.live)
         positions = r.positions[..., : r.live]
-        seen = r.attended(all_keys, keys, values, slots, query, scaling, positions, all_values)
+        seen = r.attended(all_keys, keys, values, slots, query, scaling, positions, all_values, r.seen - keys.shape[-2])
         extra = {name: t[..., : r.live] for name, t in r.extra.items()}
         r.scores[..., : r.live] = r.score(seen, r.scores[..., : r.live], extra)
         if r.live > r.budget:
-            r.free = r.lowest(r.positions, r.ranking(r.positions, r.scores))
+            r.free = r.next_free(r.positions, r.scores)
             r.has_free = True
         return all_keys, all_values
 
@@ -294,7 +296,7 @@ class PooledHeads(HeadLayout):
         r.live = self._live_after(r)
         all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read(r.live))
         query_mask = None if isinstance(new_positions, int) else new_positions[:, 0] >= 0
-        given = dict(new_values=values)
+        given = dict(new_values=values, first_position=r.seen - 1)
         if r.live < storage.capacity:  # the pool fills: slots past live are not attended yet
             positions = r.positions[..., : r.live]
             seen = Attended(all_keys, keys, r.live - 1, slots, query, scaling, positions >= 0, query_mask, positions, **given)
@@ -334,7 +336,9 @@ class PooledHeads(HeadLayout):
             r.live_t.add_(heads).clamp_(max=capacity)
         all_keys, all_values = (t.expand(batch, heads, -1, -1) for t in storage.read_static())
         real = r.positions >= 0
-        seen = Attended(all_keys, keys, capacity - 1, slots, query, scaling, real, None, r.positions, new_values=values)
+        seen = Attended(
+            all_keys, keys, capacity - 1, slots, query, scaling, real, None, r.positions, new_values=values, first_position=r.seen_t
+        )
         scores = r.score(seen, r.scores, r.extra)
         if scores is not r.scores:  # a statistic that updated them in place returns them
             r.scores.copy_(scores)

@@ -366,13 +366,14 @@ class ScoredRetention(Retention):
         self.has_free = self.live >= storage.capacity
 
     # --- what the head layouts share ----------------------------------------------------------
-    def attended(self, keys, new_keys, new_values, slots, query, scaling, positions, values) -> Attended:
-        """What a forward attends to (``values``: the values it sees beside ``keys``), with key and
-        query masks where some slots hold no token of a row or head (padded batches, pooled heads,
-        rows with their own budgets), and the buffer for attention's output where the cache wants it."""
+    def attended(self, keys, new_keys, new_values, slots, query, scaling, positions, values, first_position) -> Attended:
+        """What a forward attends to (``values``: the values it sees beside ``keys``; its first new
+        token at ``first_position``), with key and query masks where some slots hold no token of a
+        row or head (padded batches, pooled heads, rows with their own budgets), and the buffer for
+        attention's output where the cache wants it."""
         q = new_keys.shape[-2]
         first_new = keys.shape[-2] - q
-        given = dict(positions=positions, new_values=new_values)
+        given = dict(positions=positions, new_values=new_values, first_position=first_position)
         wanted, self.output_wanted = self.output_wanted, False  # asked for this forward only
         self.attention_output = None
         if wanted and query is not None and query.shape[-2] == q:
@@ -411,7 +412,7 @@ class ScoredRetention(Retention):
             self._zero_state(slots)
         self.seen += q
 
-    def lowest(
+    def next_free(
         self,
         positions: torch.Tensor,
         scores: torch.Tensor,
@@ -419,11 +420,29 @@ class ScoredRetention(Retention):
         every_slot_held: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[batch, kv_heads, 1]`` the slot a decode step frees: the lowest :meth:`ranking` of
+        ``scores``, the oldest among ties (a statistic that ranks in position order chooses there)."""
+        return self.lowest(positions, self.ranking(positions, scores, seen), seen, every_slot_held, out)
+
+    def lowest(
+        self,
+        positions: torch.Tensor,
+        scores: torch.Tensor,
+        seen: int | torch.Tensor | None = None,
+        every_slot_held: bool = False,
+        out: torch.Tensor | None = None,
+        ascending: bool = False,
+        newest: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` slot to evict: the lowest score, the oldest position among ties
-        (written into ``out`` where given)."""
-        ranked = self.evictable(positions, scores, seen, every_slot_held=every_slot_held)
+        (written into ``out`` where given; ``ascending``: ``positions`` ascend along the last axis,
+        empty slots first in slot order, so the first of the lowest is the one; ``newest``:
+        :meth:`protected_newest` where the caller has it)."""
+        ranked = self.evictable(positions, scores, seen, every_slot_held=every_slot_held, newest=newest)
         if self.row_budgets is not None:  # a row's unused slots never take a token
             ranked = ranked.masked_fill(positions == UNUSED, float("inf"))
+        if ascending:
+            return torch.argmin(ranked, dim=-1, keepdim=True, out=out)
         above = ranked != ranked.amin(dim=-1, keepdim=True)
         return torch.argmin(positions.masked_fill(above, torch.iinfo(positions.dtype).max), dim=-1, keepdim=True, out=out)
 
@@ -455,24 +474,33 @@ class ScoredRetention(Retention):
         seen: int | torch.Tensor | None = None,
         real: torch.Tensor | None = None,
         every_slot_held: bool = False,
+        newest: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``scores`` with the protected newest positions at +inf (never evicted), empty slots at -inf
         (``seen``: tokens seen, the host count unless a static step gives the device one; ``real``:
-        ``positions >= 0`` where the caller has it; ``every_slot_held``: no slot is empty). Each
-        step skips what cannot change the ranking: a decode step pays for every operation."""
-        seen = self.seen if seen is None else seen
-        ranked = scores
-        if self.protected:  # no position lies past seen - 1: with nothing protected, nothing to raise
-            protected = self.protected if self.row_protected is None else self.row_protected
-            oldest = seen - protected  # the oldest protected position, never below protected_from
-            if self.protected_from:
-                oldest = oldest.clamp(min=self.protected_from) if isinstance(oldest, torch.Tensor) else max(oldest, self.protected_from)
-            ranked = ranked.masked_fill(positions >= oldest, float("inf"))
+        ``positions >= 0`` where the caller has it; ``every_slot_held``: no slot is empty;
+        ``newest``: :meth:`protected_newest` where the caller has it). Each step skips what cannot
+        change the ranking: a decode step pays for every operation."""
+        newest = self.protected_newest(positions, seen) if newest is None else newest
+        ranked = scores if newest is None else scores.masked_fill(newest, float("inf"))
         if every_slot_held:
             return ranked
         if real is not None:
             return torch.where(real, ranked, float("-inf"))
         return ranked.masked_fill(positions < 0, float("-inf"))
+
+    def protected_newest(self, positions: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor | None:
+        """Where ``positions`` are among the protected newest of their row (never evicted; none
+        before ``protected_from``); ``None`` where nothing is protected (no position lies past
+        ``seen - 1``, so with nothing protected nothing is raised)."""
+        if not self.protected:
+            return None
+        seen = self.seen if seen is None else seen
+        protected = self.protected if self.row_protected is None else self.row_protected
+        oldest = seen - protected
+        if self.protected_from:
+            oldest = oldest.clamp(min=self.protected_from) if isinstance(oldest, torch.Tensor) else max(oldest, self.protected_from)
+        return positions >= oldest
 
     # --- internals --------------------------------------------------------------------------
     def _resolve_rows(self, lengths: list[int], device: torch.device) -> None:
@@ -561,7 +589,7 @@ class ScoredRetention(Retention):
                 arrived = (keys, values)
             scores = torch.zeros(batch, heads, q, dtype=torch.float32, device=keys.device)
             extra = self.extra_state(batch, heads, q, keys.device)
-        seen = self.attended(all_keys, keys, values, all_keys.shape[-2] - q, query, scaling, positions, all_values)
+        seen = self.attended(all_keys, keys, values, all_keys.shape[-2] - q, query, scaling, positions, all_values, self.seen)
         scores = self.score(seen, scores, extra)
         self.seen += q
         self.pending = Pending(all_keys, all_values, positions, scores, extra, arrived)

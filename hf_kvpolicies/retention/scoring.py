@@ -25,6 +25,8 @@ class Attended:
     ``key_mask``/``query_mask`` mark real tokens (``None``: every key and query is real);
     ``positions`` ``[batch, kv_heads, k]`` is the position each key holds (``-1``: none);
     ``new_values`` are the incoming values as the model computed them, beside ``new_keys``.
+    ``first_position``: the position of the first new token (all rows share it; a device count in
+    a static step, whose host count is frozen when compiled).
     ``values`` and ``output``: where the cache asks a statistic that computes every query's
     probabilities over ``keys`` (:meth:`ScoredRetention.computes_attention`) for attention's
     output too, the values attention sees and the buffer the statistic writes that output into
@@ -43,6 +45,7 @@ class Attended:
     new_values: torch.Tensor | None = None
     values: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    first_position: int | torch.Tensor = 0
 
     @property
     def q(self) -> int:
