@@ -3,6 +3,9 @@ bytes, and composition with every retention policy (same kept tokens, logits wit
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 from helpers import generated_logits, left_padded, prefill_then_decode
@@ -18,7 +21,8 @@ from hf_kvpolicies import (
     from_spec,
 )
 from hf_kvpolicies.storage import NativeStorage, storage_factory
-from hf_kvpolicies.storage.fp8 import DEFAULT_RESIDUAL, float8_format
+from hf_kvpolicies.storage.cpu_kernels import portable
+from hf_kvpolicies.storage.fp8 import DEFAULT_RESIDUAL, MAX_EXPONENT, MIN_EXPONENT, float8_format
 
 E4M3 = float8_format("float8_e4m3fn")
 E5M2 = float8_format("float8_e5m2")
@@ -61,15 +65,36 @@ def wide_range(shape, seed: int = 0) -> torch.Tensor:
 
 
 # --- the format ------------------------------------------------------------------------------
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu-decoder", "float8-conversion"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_every_byte_decodes_exactly_at_every_scale(fmt):
+def test_every_byte_decodes_exactly_at_every_scale(fmt, accelerator):
+    """The CPU's integer decoder and the float8 conversion an accelerator runs
+    (:func:`~hf_kvpolicies.storage.cpu_kernels.portable` takes it here) give the same bits."""
     finite = torch.arange(256, dtype=torch.uint8)
     finite = finite[torch.isfinite(finite.view(fmt.dtype).float())]
     codes = torch.tensor([1, 2, 60, 100, 120, 127, 134, 200, 246], dtype=torch.uint8)
     payload, codes = finite[None, :].expand(len(codes), -1), codes[:, None].expand(-1, len(finite))
     reference = stock_dequantise(fmt, payload, codes)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert torch.equal(fmt.dequantise(payload, codes, dtype), reference.to(dtype)), dtype
+    with portable() if accelerator else contextlib.nullcontext():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert torch.equal(fmt.dequantise(payload, codes, dtype), reference.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_scale_codes_are_the_smallest_that_fit_at_every_magnitude(fmt):
+    """The code read from a magnitude's bits is ``127 + e`` for the smallest ``e`` with
+    ``amax <= max * 2**e`` (clamped to the format's range), checked against ``frexp``."""
+    magnitudes = torch.cat([
+        torch.logspace(-44, 38, 4001, dtype=torch.float64).float(),
+        torch.tensor([fmt.max, fmt.max * (1 + 2**-23), fmt.max * (1 - 2**-24), 1.0, 2.0**-126, 2.0**-149]),
+    ])
+    magnitudes = torch.cat([magnitudes, magnitudes * 2.0**-80, magnitudes.nextafter(torch.tensor(float("inf")))])
+    magnitudes = magnitudes[torch.isfinite(magnitudes) & (magnitudes > 0)]
+    _, codes = fmt.quantise(torch.stack([magnitudes, -magnitudes / 3], dim=-1))
+    mantissa, exponent = torch.frexp(magnitudes)
+    top_mantissa, top_exponent = math.frexp(fmt.max)
+    e = (exponent - top_exponent + (mantissa > top_mantissa)).clamp(MIN_EXPONENT, MAX_EXPONENT)
+    assert torch.equal(codes[:, 0].long(), e + 127)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

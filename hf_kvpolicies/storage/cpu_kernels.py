@@ -44,8 +44,9 @@ _enabled = True  # False inside portable()
 
 @contextmanager
 def portable() -> Iterator[None]:
-    """Read through the PyTorch operations inside the block (the path every device runs; the
-    operation counts of ``tests/test_decode_ops.py`` are of this path)."""
+    """Read inside the block as an accelerator does: through PyTorch operations, the ones a GPU
+    runs where the CPU has a faster way of its own (the operation counts of
+    ``tests/test_decode_ops.py`` and ``eval/benchmarks/ops.py`` are of this path)."""
     global _enabled
     before, _enabled = _enabled, False
     try:
@@ -99,6 +100,12 @@ def _kernels(*devices: torch.device) -> ctypes.CDLL | None:
     if not _enabled or torch.compiler.is_compiling() or any(device.type != "cpu" for device in devices):
         return None
     return library()
+
+
+def on_cpu_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the CPU's own way where one differs from an
+    accelerator's: on the CPU, outside :func:`portable`."""
+    return _enabled and device.type == "cpu"
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:

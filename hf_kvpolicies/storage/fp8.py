@@ -34,21 +34,24 @@ rather than pushing fresher tokens out.
 full-precision copy, freed after that layer's attention), then scatter the residual over it.
 Keys and values as wide as each other are decoded in one pass into one buffer, each half
 contiguous, and the residual's entries land in one scatter.
-PyTorch's float8 conversion runs scalar code on the CPU, ~5x slower than this decoder (measured
-in ``eval/benchmarks/fp8.py``), and a 256-entry table lookup ~3x: a byte sign-extended to 16 bits
-and shifted so its mantissa meets float16's *is* the float16 of the fp8 value times
-``2**(bias - 15)``, normal and subnormal numbers alike, and that power of two joins the scale.
-Exact, and made of vectorised integer and float operations on any device.
+An accelerator converts the float8 payload in one kernel and multiplies by the scale (a decode
+step's launches are its cost there). PyTorch's float8 conversion runs scalar code on the CPU,
+~5x slower than the CPU's own decoder (measured in ``eval/benchmarks/fp8.py``), and a 256-entry
+table lookup ~3x: a byte sign-extended to 16 bits and shifted so its mantissa meets float16's
+*is* the float16 of the fp8 value times ``2**(bias - 15)``, normal and subnormal numbers alike,
+and that power of two joins the scale. Both are exact, so both give the same bits.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..validation import check_int
+from . import cpu_kernels
 from .base import SlotIndex, Storage, UpcomingSlots, allocated, put, take
 from .residual import NativeResidual, PendingTokens
 
@@ -79,26 +82,27 @@ class Float8Format:
         self.max = info.max
         self.mantissa_bits = round(-math.log2(info.eps))
         self.bias = 1 - round(math.log2(info.smallest_normal))
-        top_mantissa, top_exponent = math.frexp(info.max)  # max = top_mantissa * 2**top_exponent
-        self._top_mantissa, self._top_exponent = top_mantissa, top_exponent
         self._shift = FLOAT16_MANTISSA - self.mantissa_bits
         # sign-extended and shifted, copies of the sign bit land in the exponent field unless shift is 8
         self._mask = None if self._shift == 8 else _as_int16(0x8000 | (0x7F << self._shift))
         self._factor_offset = FLOAT16_BIAS - self.bias
+        # max = 1.g * 2**t: adding this to a magnitude's float32 bits and shifting out the mantissa
+        # gives t's excess over its exponent, plus the carry of a mantissa above g
+        top_bits = _float32_bits(info.max)
+        self._code_offset = (1 << 23) - 1 - (top_bits & ((1 << 23) - 1)) - (((top_bits >> 23) - FLOAT32_BIAS) << 23)
 
     def quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (``[..., head_dim]``) as an int8 payload (the fp8 bytes) and uint8 E8M0 scale codes (``[..., 1]``)."""
-        amax = x.abs().amax(dim=-1, keepdim=True).float()
-        mantissa, exponent = torch.frexp(amax)
-        # the smallest e with amax <= max * 2**e, exactly: compare mantissas, not logarithms
-        e = (exponent - self._top_exponent + (mantissa > self._top_mantissa)).clamp_(MIN_EXPONENT, MAX_EXPONENT)
-        inverse = ((FLOAT32_BIAS - e) << 23).view(torch.float32)  # 2**-e, built exactly
-        scaled = (x.float() * inverse).clamp_(-self.max, self.max)
-        return scaled.to(self.dtype).view(torch.int8), (e + FLOAT32_BIAS).to(torch.uint8)
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+        # the code e + 127 of the smallest e with amax <= max * 2**e, exactly, from amax's bits: its
+        # exponent less max's, plus one where its mantissa exceeds max's (an integer carry)
+        codes = ((amax.view(torch.int32) + self._code_offset) >> 23).clamp_(MIN_EXPONENT + FLOAT32_BIAS, MAX_EXPONENT + FLOAT32_BIAS)
+        inverse = ((2 * FLOAT32_BIAS - codes) << 23).view(torch.float32)  # 2**-e, built exactly
+        scaled = (x * inverse).clamp_(-self.max, self.max)  # in float32 (the product promotes)
+        return scaled.to(self.dtype).view(torch.int8), codes.to(torch.uint8)
 
     def dequantise(self, payload: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``payload * 2**(code - 127)`` in ``dtype``, exactly, without float8 conversion (``codes``
-        broadcast against ``payload``)."""
+        """``payload * 2**(code - 127)`` in ``dtype``, exactly (``codes`` broadcast against ``payload``)."""
         out = torch.empty(payload.shape, dtype=_compute_dtype(dtype), device=payload.device)
         self.dequantise_into(out, payload, codes)
         return out if out.dtype == dtype else out.to(dtype)
@@ -106,10 +110,15 @@ class Float8Format:
     def dequantise_into(self, out: torch.Tensor, payload: torch.Tensor, codes: torch.Tensor) -> None:
         """:meth:`dequantise` written into ``out`` (float32 or bfloat16, any strides).
 
-        The byte, sign-extended to int16 and shifted so that its mantissa meets float16's, is a
-        float16 worth the fp8 value times ``2**(bias - 15)``; that power of two joins the scale.
+        An accelerator converts the float8 bytes. On the CPU, the byte, sign-extended to int16 and
+        shifted so that its mantissa meets float16's, is a float16 worth the fp8 value times
+        ``2**(bias - 15)``; that power of two joins the scale.
         """
         signed = payload if payload.dtype == torch.int8 else payload.view(torch.int8)
+        if not cpu_kernels.on_cpu_path(payload.device):
+            out.copy_(signed.view(self.dtype))
+            out.mul_((codes.to(torch.int32) << 23).view(torch.float32).to(out.dtype))  # 2**(code - 127)
+            return
         bits = signed.to(torch.int16).mul_(1 << self._shift)
         if self._mask is not None:
             bits.bitwise_and_(self._mask)
@@ -146,6 +155,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _as_int16(value: int) -> int:
     return value - (1 << 16) if value >= 1 << 15 else value
+
+
+def _float32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 class FP8Storage(Storage):
