@@ -42,6 +42,7 @@ class Rotary:
         (the stored key carries it already); the model's rotation of a query, averaged, does."""
         self._memo: tuple[tuple, torch.Tensor] | None = None
         self._window_on: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
+        self._sign_on: dict[torch.device, torch.Tensor] = {}
         self._layout_freq_on: dict[tuple[torch.device, int], torch.Tensor] = {}  # per rotated dim, float64
 
     @property
@@ -131,21 +132,44 @@ class Rotary:
         ``(R m) . v = m . (R^T v)``, so the mean rotation of a query statistic ``m`` is applied to
         the keys instead, in ``O(head_dim)`` per key. ``start``: ``LongTensor[batch]`` on the
         vectors' device (nothing is read back). The dims past ``rotary_dim`` pass unchanged."""
-        cos, sin = self._mean_cos_sin(start, count)
-        dim = self.rotary_dim
-        rotated = vectors[..., :dim].float()
-        cos, sin = cos[:, None, None], sin[:, None, None]
-        out = rotated * cos - rotate_half(rotated * sin, self.interleaved)
-        return out if dim == vectors.shape[-1] else torch.cat([out, vectors[..., dim:].float()], dim=-1)
+        return self.turn_back(vectors, self.mean_turn(start, count))
 
-    def _mean_cos_sin(self, start: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, rotary_dim]`` fp32 means of the scaled cos and sin over each row's window, in the
-        model's layout. Per frequency ``t``, ``sum_k exp(i (a + k) t) = exp(i (a + (count - 1) / 2) t)
-        sin(count t / 2) / sin(t / 2)``: one angle per frequency at the window's centre, times a
-        spread factor that depends on ``count`` alone (float64 angles, exact at any position)."""
+    def mean_turn(self, start: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`mean_rotation_transposed`'s rotation, for :meth:`turn_back`: ``[batch, 1, 1,
+        rotary_dim]`` fp32 mean cos, and the mean sin signed and laid out to multiply the vectors'
+        partners (:meth:`partners`): ``R^T v = cos v + sin' partners(v)``, the same products and
+        sums as ``cos v - rotate_half(sin v)``, bit for bit. Per frequency ``t``, ``sum_k exp(i (a +
+        k) t) = exp(i (a + (count - 1) / 2) t) sin(count t / 2) / sin(t / 2)``: one angle per
+        frequency at the window's centre, times a spread factor that depends on ``count`` alone
+        (float64 angles, exact at any position)."""
         freq, phase, spread = self._window(start.device, count)
         centre = torch.addcmul(phase, start.to(torch.float64)[:, None], freq)
-        return (centre.cos() * spread).float(), (centre.sin() * spread).float()
+        cos, sin = (centre.cos() * spread).float(), (centre.sin() * spread).float()
+        shape = (-1, 1, 1, cos.shape[-1])
+        return cos.view(shape), (self.partners(sin) * self._partner_sign(sin.device)).view(shape)
+
+    def turn_back(self, vectors: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``R^T v`` for ``vectors`` ``[batch, heads, n, head_dim]`` and a rotation from :meth:`mean_turn`
+        (two products and their sum, in fp32); the dims past ``rotary_dim`` pass unchanged."""
+        cos, sin = turn
+        dim = self.rotary_dim
+        rotated = (vectors if dim == vectors.shape[-1] else vectors[..., :dim]).float()
+        out = rotated * cos + self.partners(rotated) * sin
+        return out if dim == vectors.shape[-1] else torch.cat([out, vectors[..., dim:].float()], dim=-1)
+
+    def partners(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rotated dim's partner in its plane: the other half (Llama) or the pair's other
+        member (GLM, Cohere); ``rotate_half`` is this with the first member of each plane negated."""
+        if self.interleaved:
+            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return x.roll(x.shape[-1] // 2, dims=-1)
+
+    def _partner_sign(self, device: torch.device) -> torch.Tensor:
+        """``[rotary_dim]`` minus the sign ``rotate_half`` gives each partner (``rotate_half(x) =
+        sign * partners(x)``), so that ``- rotate_half(sin v) = partners(v) * partners(sin) * -sign``."""
+        if device not in self._sign_on:
+            self._sign_on[device] = -rotate_half(torch.ones(self.rotary_dim), self.interleaved).to(device)
+        return self._sign_on[device]
 
     def _window(self, device: torch.device, count: int) -> tuple[torch.Tensor, ...]:
         """Per rotated dim (the model's layout), float64: the frequency ``t``, the window's centre

@@ -14,7 +14,9 @@ Definition, per layer, row, KV head and each query head ``h`` of its group:
 * **Window**: the ``n_future_positions`` positions ``a, ..., a + n - 1`` after the row's tokens
   seen (``a`` counts from the row's first real token: a left-padded row has the window it has
   alone); ``R`` is the mean over them of the model's rotation, ``s (diag(cos) + diag(sin) P)``
-  (:meth:`~hf_kvpolicies.rope.Rotary.mean_rotation_transposed`, closed form).
+  (:meth:`~hf_kvpolicies.rope.Rotary.mean_rotation_transposed`, closed form). Which queries
+  count and the window's rotation are the same in every layer: the first layer computes them in
+  each forward and the others take them (:class:`~hf_kvpolicies.retention.step_share.StepShare`).
 * **Expected logit** of a key ``k`` (as the model computed it, rotated at its position):
   ``z_h(k) = c (R mu_h) . k + c^2 / 2 k^T (R S_h R^T) k``, ``c`` the module's own ``scaling``
   (``1 / sqrt(head_dim)`` in Llama-like models, as kvpress writes it; Gemma's differs).
@@ -41,6 +43,8 @@ The preset, :class:`ExpectedAttentionCache`, builds it in every governed layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import PreTrainedModel
 
@@ -48,6 +52,7 @@ from ..model_layout import text_config
 from ..rope import Rotary, rotary_of
 from ..retention.scored import ScoredRetention
 from ..retention.scoring import Attended
+from ..retention.step_share import StepShare
 from ..storage import Storage, StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -55,6 +60,28 @@ from .scored import HeadBudgets, LayerBudgets, ScoredCache
 HIDDEN = torch.finfo(torch.float32).min
 """The logit of a key no softmax counts (a sink, a pad, an empty slot): the lowest finite one, so
 that a head holding only such keys gives uniform weights rather than NaN."""
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """What one forward's queries bring to every layer's statistics alike (the layer's queries aside)."""
+
+    weight: torch.Tensor
+    """``[batch, q]`` 1 for a query the statistics count."""
+    arrived: torch.Tensor
+    """``[batch]`` the queries counted."""
+    total: torch.Tensor
+    """``[batch]`` the queries counted once they are merged in."""
+    share: torch.Tensor
+    """``[batch, 1, 1]`` the new queries' share of the merged count."""
+    carried: torch.Tensor
+    """``[batch, 1, 1]`` the earlier count times ``share``: the weight of the means' shift in the moment."""
+    spread: torch.Tensor
+    """``[batch, 1, 1, 1, 1]`` ``scaling**2 / (2 total)``: the covariance term's factor."""
+    turn: tuple[torch.Tensor, torch.Tensor]
+    """The window's mean rotation (:meth:`~hf_kvpolicies.rope.Rotary.mean_turn`)."""
+    scaling: float
+    """The attention modules' ``scaling``."""
 
 
 class ExpectedAttentionRetention(ScoredRetention):
@@ -72,9 +99,12 @@ class ExpectedAttentionRetention(ScoredRetention):
         sinks: int,
         use_covariance: bool,
         use_vnorm: bool,
+        share: StepShare | None = None,
         **options,
     ) -> None:
+        """``share``: the per-forward values shared with the cache's other layers."""
         super().__init__(budget, protected=0, **options)
+        self.share = share or StepShare()
         self.rotary, self.groups, self.future = rotary, groups, n_future_positions
         self.sinks, self.use_covariance, self.use_vnorm = sinks, use_covariance, use_vnorm
         self.count: torch.Tensor | None = None
@@ -91,58 +121,78 @@ class ExpectedAttentionRetention(ScoredRetention):
         return state
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
-        positions = seen.new_positions()[:, 0]  # [batch, q], -1 for pads
+        if self.count is None:
+            batch, heads, _, dim = seen.query.shape
+            self.count = seen.query.new_zeros(batch, dtype=torch.float32)
+            self.mean = seen.query.new_zeros(batch, heads, dim, dtype=torch.float32)
+            self.moment = seen.query.new_zeros(batch, heads, dim, dim, dtype=torch.float32) if self.use_covariance else None
+        static = isinstance(seen.first_position, torch.Tensor)
+        key = (None if static else seen.first_position, seen.q, seen.keys.shape[0], seen.scaling)
+        arrivals = self.share.take(self, key, lambda: self._arrivals(seen))
+        self._observe(seen.query, arrivals)
+        seen.write_new(extra["expected_logits"], self._expected_logits(seen.new_keys, arrivals))
+        if self.use_vnorm:
+            seen.write_new(extra["value_norm"], seen.new_values.float().norm(dim=-1))
+        # a forward outside no_grad takes a new tensor (``out=`` takes no part in autograd)
+        return self._expected_attention(extra, seen.positions, seen.key_mask, None if torch.is_grad_enabled() else scores)
+
+    def _arrivals(self, seen: Attended) -> Arrivals:
+        """What a forward's new queries bring, the same in every layer (:class:`StepShare`): which
+        count (a real token past the row's first ``sinks``), the merged counts (every layer's
+        statistics have counted the same queries) and the window's mean rotation."""
+        if isinstance(seen.first_position, torch.Tensor):  # a static step: one token, real in every row
+            positions = seen.first_position.view(1, 1)
+        else:
+            positions = seen.new_positions()[:, 0]  # [batch, q], -1 for pads
         relative = positions - self.row_start[:, 0]
         counted = relative >= self.sinks
         if positions.shape[-1] > 1:  # a decoded token is real in every row; a prompt may hold pads
             counted &= positions >= 0
-        self._observe(seen.query, counted)
-        seen.write_new(extra["expected_logits"], self._expected_logits(seen.new_keys, relative[:, -1] + 1, seen.scaling))
-        if self.use_vnorm:
-            seen.write_new(extra["value_norm"], seen.new_values.float().norm(dim=-1))
-        return self._expected_attention(extra, seen.positions, seen.key_mask)
+        weight = counted.float()
+        arrived = weight[:, 0] if seen.q == 1 else weight.sum(dim=-1)
+        total = self.count + arrived
+        share = (arrived / total.clamp(min=1))[:, None, None]  # of the merged count, the new queries' share
+        spread = total.clamp(min=1).reciprocal().mul_(seen.scaling**2 / 2)[:, None, None, None, None]
+        carried = self.count[:, None, None] * share
+        turn = self.rotary.mean_turn(relative[:, -1] + 1, self.future)
+        return Arrivals(weight, arrived, total, share, carried, spread, turn, seen.scaling)
 
-    def _observe(self, query: torch.Tensor, counted: torch.Tensor) -> None:
-        """Merge this forward's counted queries (``[batch, heads, q, dim]``, ``counted`` ``[batch, q]``)
-        into the running statistics, in place (static steps hold their addresses)."""
-        query, weight = query.float(), counted.float()
-        batch, heads, q, dim = query.shape
-        if self.count is None:
-            self.count = query.new_zeros(batch)
-            self.mean = query.new_zeros(batch, heads, dim)
-            self.moment = query.new_zeros(batch, heads, dim, dim) if self.use_covariance else None
-        if q == 1:  # one query: its own mean, no spread of its own
-            arrived, mean = weight[:, 0], query[:, :, 0]
+    def _observe(self, query: torch.Tensor, arrivals: Arrivals) -> None:
+        """Merge this forward's counted queries (``[batch, heads, q, dim]``) into the running
+        statistics, in place (static steps hold their addresses)."""
+        query = query.float()
+        if query.shape[-2] == 1:  # one query: its own mean, no spread of its own
+            mean = query[:, :, 0]
         else:
-            arrived = weight.sum(dim=-1)
-            mean = torch.einsum("bq,bhqd->bhd", weight, query) / arrived.clamp(min=1)[:, None, None]
+            weight = arrivals.weight
+            mean = torch.einsum("bq,bhqd->bhd", weight, query) / arrivals.arrived.clamp(min=1)[:, None, None]
             centred = query - mean[:, :, None]
             if self.use_covariance:
                 self.moment.add_(torch.matmul(centred.transpose(-1, -2), centred * weight[:, None, :, None]))
-        total = self.count + arrived
-        share = (arrived / total.clamp(min=1))[:, None, None]  # of the merged count, the new queries' share
         delta = mean - self.mean
-        self.mean.addcmul_(delta, share)
+        self.mean.addcmul_(delta, arrivals.share)
         if self.use_covariance:  # + delta delta^T n_old n_new / n
-            self.moment.addcmul_((delta * (self.count[:, None, None] * share))[..., :, None], delta[..., None, :])
-        self.count.copy_(total)
+            self.moment.addcmul_((delta * arrivals.carried)[..., :, None], delta[..., None, :])
+        self.count.copy_(arrivals.total)
 
-    def _expected_logits(self, keys: torch.Tensor, window: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _expected_logits(self, keys: torch.Tensor, arrivals: Arrivals) -> torch.Tensor:
         """``[batch, kv_heads, groups, q]`` expected logits of ``keys`` ``[batch, kv_heads, q, dim]``
-        under the statistics, rotated on average over each row's ``window`` onwards."""
+        under the statistics, rotated on average over each row's window."""
         batch, kv_heads, q, dim = keys.shape
-        turned = self.rotary.mean_rotation_transposed(keys, window, self.future).transpose(-1, -2)  # R^T k, [.., dim, q]
+        scaling = arrivals.scaling
+        turned = self.rotary.turn_back(keys, arrivals.turn).transpose(-1, -2)  # R^T k, [.., dim, q]
         if not self.use_covariance:
             return torch.matmul(self.mean.view(batch, kv_heads, self.groups, dim), turned).mul_(scaling)
         # c mu . k' + c^2 / 2 k'^T S k' = k' . (c mu + c^2 / (2 N) M k'), k' = R^T k, S = M / N
-        spread = self.count.clamp(min=1).reciprocal().mul_(scaling**2 / 2)[:, None, None, None, None]
-        moved = torch.matmul(self.moment.view(batch, kv_heads, self.groups * dim, dim), turned)
-        pull = torch.addcmul((self.mean * scaling).view(batch, kv_heads, self.groups, dim, 1), moved.view(batch, kv_heads, self.groups, dim, q), spread)
+        moved = torch.bmm(self.moment.view(batch * kv_heads, self.groups * dim, dim), turned.reshape(batch * kv_heads, dim, q))
+        pull = torch.addcmul((self.mean * scaling).view(batch, kv_heads, self.groups, dim, 1), moved.view(batch, kv_heads, self.groups, dim, q), arrivals.spread)
         return (pull * turned[:, :, None]).sum(dim=-2)
 
-    def _expected_attention(self, extra: dict[str, torch.Tensor], positions: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def _expected_attention(
+        self, extra: dict[str, torch.Tensor], positions: torch.Tensor, key_mask: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
         """The scores of every key seen: the softmax of the kept expected logits over the keys that are
-        no sinks, averaged over the group, times the value norms; sinks ``+inf``."""
+        no sinks, averaged over the group, times the value norms; sinks ``+inf`` (in ``out`` where given)."""
         logits = extra["expected_logits"]
         sink = hidden = None
         if self.sinks:
@@ -152,7 +202,7 @@ class ExpectedAttentionRetention(ScoredRetention):
             hidden = ~key_mask
         if hidden is not None:
             logits = logits.masked_fill(hidden[:, :, None], HIDDEN)
-        weights = torch.softmax(logits, dim=-1).mean(dim=2)
+        weights = torch.mean(torch.softmax(logits, dim=-1), dim=2, out=out)
         if self.use_vnorm:
             weights.mul_(extra["value_norm"])
         return weights if sink is None else weights.masked_fill_(sink, float("inf"))
@@ -229,10 +279,11 @@ class ExpectedAttentionCache(ScoredCache):
         groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.budget, self.n_future_positions, self.sinks = budget, n_future_positions, sinks
         self.use_covariance, self.use_vnorm = use_covariance, use_vnorm
+        share = StepShare()  # a forward's counted queries and window rotation, computed by the first layer
         super().__init__(
             model,
             lambda **options: ExpectedAttentionRetention(
-                budget, rotary, groups, n_future_positions, sinks, use_covariance, use_vnorm, **options
+                budget, rotary, groups, n_future_positions, sinks, use_covariance, use_vnorm, share, **options
             ),
             layer_budgets=layer_budgets, storage=storage, head_budgets=head_budgets, chunk=chunk,
         )
