@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 from ..model_layout import text_config
 from ..rope import Rotary, rotary_of
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended
+from ..retention.scoring import Attended, out_for
 from ..retention.step_share import StepShare
 from ..storage import Storage, StorageFactory
 from ..validation import check_int
@@ -133,8 +133,7 @@ class ExpectedAttentionRetention(ScoredRetention):
         seen.write_new(extra["expected_logits"], self._expected_logits(seen.new_keys, arrivals))
         if self.use_vnorm:
             seen.write_new(extra["value_norm"], seen.new_values.float().norm(dim=-1))
-        # a forward outside no_grad takes a new tensor (``out=`` takes no part in autograd)
-        return self._expected_attention(extra, seen.positions, seen.key_mask, None if torch.is_grad_enabled() else scores)
+        return self._expected_attention(extra, seen.positions, seen.key_mask, out_for(scores))
 
     def _arrivals(self, seen: Attended) -> Arrivals:
         """What a forward's new queries bring, the same in every layer (:class:`StepShare`): which

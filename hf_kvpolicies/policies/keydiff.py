@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from ..attention_scores import shares_one_key_row
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended, rounded
+from ..retention.scoring import Attended, out_for, rounded
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -55,7 +55,7 @@ class KeyDiffRetention(ScoredRetention):
             anchor = torch.bmm(weights, rows)  # [batch, heads, dim]
             similarity = torch.bmm(rows, anchor.transpose(1, 2)).transpose(1, 2)
         length = anchor.norm(dim=-1).view(batch, heads, 1).clamp_(min=1e-12)
-        return rounded(1 - (similarity * inverse).div_(length))
+        return rounded(1 - (similarity * inverse).div_(length), out=out_for(scores))
 
 
 RECENT = 32

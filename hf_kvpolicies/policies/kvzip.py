@@ -29,7 +29,7 @@ from ..attention_scores import max_attention
 from ..reconstruction import DEFAULT_CHUNK, RepeatPrompt, check_reconstructable, reconstruction_scores
 from ..retention.layer_budgets import busiest_head_budgets
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended
+from ..retention.scoring import Attended, out_for
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -58,7 +58,7 @@ class KVzipRetention(ScoredRetention):
         received = max_attention(
             seen.query, seen.keys, seen.scaling, seen.first_new, None, seen.key_mask, seen.query_mask, seen.values, seen.output
         )
-        return torch.maximum(scores, received)
+        return torch.maximum(scores, received, out=out_for(scores))
 
     def take_reconstruction(self, scores: torch.Tensor) -> None:
         """The first forward's scores ``[batch, kv_heads, tokens]``, from the cache's reconstruction."""

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..attention_scores import attention_chunks
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended, slot_index
+from ..retention.scoring import Attended, out_for, slot_index
 from ..storage import StorageFactory
 from ..validation import check_choice, check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -70,9 +70,7 @@ class SnapKVRetention(ScoredRetention):
             history[:, :, first % self.window] = rows[:, :, 0]
         else:
             history[:, :, torch.arange(first, first + count, device=history.device) % self.window] = rows
-        if torch.is_grad_enabled():  # a forward outside no_grad: ``out=`` takes no part in autograd
-            return history.sum(dim=2)
-        return torch.sum(history, dim=2, out=scores)
+        return torch.sum(history, dim=2, out=out_for(scores))
 
     def selection_scores(
         self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from ..attention_scores import query_probabilities
 from ..retention.scored import ScoredRetention
-from ..retention.scoring import Attended
+from ..retention.scoring import Attended, out_for
 from ..storage import StorageFactory
 from ..validation import check_int
 from .scored import HeadBudgets, LayerBudgets, ScoredCache
@@ -31,7 +31,8 @@ class TOVARetention(ScoredRetention):
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         # the latest query is the last key's: it sees every key
-        return query_probabilities(seen.query[:, :, -1:], seen.keys, seen.scaling, seen.key_mask).mean(dim=2)
+        probabilities = query_probabilities(seen.query[:, :, -1:], seen.keys, seen.scaling, seen.key_mask)
+        return torch.mean(probabilities, dim=2, out=out_for(scores))
 
 
 class TOVACache(ScoredCache):

@@ -20,6 +20,8 @@ takes the oldest, and among copies of one position the lower head index stays (t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -38,7 +40,7 @@ def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) ->
     per-head views of the pooled slots (a slot is owned by the head whose row holds a position;
     ``ranked`` is ``-inf`` wherever ``positions`` is ``-1``, as ``_evictable`` leaves it)."""
     heads = positions.shape[1]
-    head = torch.arange(1, heads + 1, device=positions.device).view(1, heads, 1)
+    head = _head_numbers(heads, positions.device)
     # one row owns a slot, the others hold -1 there: the largest over heads is the owner's
     # (position * heads + head + 1) and rank; a slot nobody owns gets key 0 and rank -inf
     slot_key = (positions * heads).add_(head).amax(dim=1)
@@ -49,6 +51,12 @@ def pooled_victims(positions: torch.Tensor, ranked: torch.Tensor, count: int) ->
     bits = ranked.amax(dim=1).add_(0.0).view(torch.int32)
     monotone = bits.bitwise_xor((bits >> 31).bitwise_and_(0x7FFFFFFF)).to(torch.int64)
     return monotone.mul_(2**32).add_(slot_key).topk(count, dim=-1, largest=False).indices
+
+
+@functools.lru_cache(maxsize=16)
+def _head_numbers(heads: int, device: torch.device) -> torch.Tensor:
+    """``[1, heads, 1]``: 1, ..., heads (made once per device: a decode step pays for every operation)."""
+    return torch.arange(1, heads + 1, device=device).view(1, heads, 1)
 
 
 def owned_by_head(values: torch.Tensor, head: torch.Tensor, heads: int, fill: float | int) -> torch.Tensor:

@@ -66,6 +66,13 @@ class Attended:
         return target.scatter_(-1, slot_index(self.new_slots, target), values)
 
 
+def out_for(scores: torch.Tensor) -> torch.Tensor | None:
+    """``scores`` as the ``out=`` of a statistic that replaces them (a decode step then writes the
+    layer's scores in place instead of copying them there), or ``None`` in a forward that takes
+    gradients (``out=`` takes no part in autograd)."""
+    return None if torch.is_grad_enabled() else scores
+
+
 def slot_index(slots: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``slots`` (``[batch, kv_heads, n]``) as the last-axis scatter index of ``target``
     (``[batch, kv_heads, ..., k]``: scores, positions or per-slot state); for per-slot tensors the
@@ -99,7 +106,7 @@ SCORE_BITS = 12
 (a few units of 2**-24) and far below the spread of distinct keys' statistics."""
 
 
-def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
+def rounded(scores: torch.Tensor, bits: int = SCORE_BITS, out: torch.Tensor | None = None) -> torch.Tensor:
     """``scores`` rounded to ``bits`` significant bits (half away from zero), exactly, in their own
     dtype; a format with no more significant bits is returned as it is.
 
@@ -113,11 +120,15 @@ def rounded(scores: torch.Tensor, bits: int = SCORE_BITS) -> torch.Tensor:
 
     Two integer operations on the bits (half a unit of the last kept bit added, the bits below it
     cleared; a carry into the exponent is the round up to the next power of two): a decode step
-    pays for every operation. Subnormal scores keep fewer significant bits."""
+    pays for every operation. Subnormal scores keep fewer significant bits. ``out``: where to
+    write them (of ``scores``' dtype)."""
     drop = round(-math.log2(torch.finfo(scores.dtype).eps)) + 1 - bits  # significant bits beyond ``bits``
     if drop <= 0:
-        return scores
+        return scores if out is None else out.copy_(scores)
     as_int = _SAME_WIDTH_INT[scores.element_size()]
+    if out is not None:
+        torch.bitwise_and(scores.view(as_int) + (1 << (drop - 1)), -(1 << drop), out=out.view(as_int))
+        return out
     return ((scores.view(as_int) + (1 << (drop - 1))) & -(1 << drop)).view(scores.dtype)
 
 
