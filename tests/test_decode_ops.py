@@ -36,10 +36,10 @@ choosing the slot to free and writing per-slot state (17 for SnapKV, 27 for Expe
 34 for KVzip)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
-CHUNK_EXTRA = 45
-"""Operations ranking in chunks may add to a layer's step (a sort, a search, two segment sums: 33;
-41 for SnapKV, whose single tokens are chosen in the position order its pooling sorts into, a
-shortcut chunks do not take)."""
+CHUNK_EXTRA = 30
+"""Operations ranking in chunks may add to a layer's step: a search, one segment sum of the scores
+and the tokens held, the open chunk's protection, and a sort where the statistic has not sorted
+its slots by position already (26 for Expected Attention, 25 for SnapKV, which has)."""
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ from torch.nn import functional
 from transformers import PreTrainedModel
 
 from ..attention_scores import attention_chunks
+from ..retention.chunks import chunk_ranking
 from ..retention.scored import ScoredRetention
 from ..retention.scoring import Attended, out_for, slot_index
 from ..storage import StorageFactory
@@ -91,15 +92,19 @@ class SnapKVRetention(ScoredRetention):
         every_slot_held: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Pooling orders the slots by position: the lowest is chosen in that order, where the
-        first of the lowest is the oldest, and mapped back to its slot."""
-        if self.kernel == 1 or self.chunk > 1:
+        """Pooling orders the slots by position: the lowest (of whole chunks where ``chunk`` > 1,
+        as :meth:`ranking` ranks them) is chosen in that order, where the first of the lowest is
+        the oldest, and mapped back to its slot."""
+        if self.kernel == 1:
             return super().next_free(positions, scores, seen, every_slot_held, out)
         order = positions.argsort(dim=-1, stable=True)
         ordered = positions.gather(-1, order)
         window = self.protected_newest(ordered, seen)
-        pooled = self._pooled(ordered, scores.gather(-1, order), window, every_slot_held)
-        chosen = self.lowest(ordered, pooled, seen, every_slot_held, ascending=True, newest=window)
+        ranked = self._pooled(ordered, scores.gather(-1, order), window, every_slot_held)
+        if self.chunk > 1:
+            seen = self.seen if seen is None else seen
+            ranked = chunk_ranking(ordered, ranked, self.row_start, seen, self.chunk, ascending=True)
+        chosen = self.lowest(ordered, ranked, seen, every_slot_held, ascending=True, newest=window)
         return torch.gather(order, -1, chosen, out=out)
 
     def _pooled(

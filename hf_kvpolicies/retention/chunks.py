@@ -32,20 +32,30 @@ import torch
 
 
 def chunk_ranking(
-    positions: torch.Tensor, ranked: torch.Tensor, start: torch.Tensor, seen: int | torch.Tensor, chunk: int
+    positions: torch.Tensor,
+    ranked: torch.Tensor,
+    start: torch.Tensor,
+    seen: int | torch.Tensor,
+    chunk: int,
+    ascending: bool = False,
 ) -> torch.Tensor:
     """Per-token ranking scores ``[batch, heads, k]`` of ``positions``' chunks (``-1``/``-2``: no
     token) from per-token ``ranked`` scores; ``start`` ``[batch, 1, 1]``: each row's first real
-    position; ``seen``: tokens seen (the newest position is ``seen - 1``). Fixed shapes, nothing
-    read back: a decode step takes it as it is (a sort and a search of ``k`` ids per row and head)."""
+    position; ``seen``: tokens seen (the newest position is ``seen - 1``); ``ascending``:
+    ``positions`` ascend along the last axis (their chunks' ids then need no sort). Fixed shapes,
+    nothing read back: a decode step takes it as it is (a sort and a search of ``k`` ids per row
+    and head)."""
     real = positions >= 0
-    chunk_id = torch.where(real, (positions - start).div(chunk, rounding_mode="floor"), -1)
+    # a slot without a token (position -1 or -2) falls in a chunk of negative id, below every real one
+    chunk_id = (positions - start).div(chunk, rounding_mode="floor")
     # one index per chunk in [0, k): where its id first stands among the sorted ids
-    compact = torch.searchsorted(chunk_id.sort(dim=-1).values, chunk_id)
-    counted = torch.where(real & ranked.isfinite(), ranked, 0.0)
-    total = torch.zeros_like(ranked).scatter_add_(-1, compact, counted).gather(-1, compact)
-    held = torch.zeros_like(ranked).scatter_add_(-1, compact, real.to(ranked.dtype)).gather(-1, compact)
+    compact = torch.searchsorted(chunk_id if ascending else chunk_id.sort(dim=-1).values, chunk_id)
+    counted = torch.where(real & (ranked.abs() != float("inf")), ranked, 0.0)
+    # each chunk's finite scores and its tokens, summed in one pass: [..., 2, k]
+    summed = torch.stack([counted, real.to(ranked.dtype)], dim=-2)
+    index = compact.unsqueeze(-2).expand_as(summed)
+    total, held = torch.zeros_like(summed).scatter_add_(-1, index, summed).gather(-1, index).unbind(-2)
     whole = held == chunk
     newest = (seen - 1 - start).div(chunk, rounding_mode="floor")
-    kept_anyway = ((chunk_id == newest) & ~whole) | (ranked == float("inf"))
-    return torch.where(whole, total, float("-inf")).masked_fill_(kept_anyway, float("inf"))
+    kept_anyway = ((chunk_id == newest) > whole) | (ranked == float("inf"))  # the open chunk until whole; sinks
+    return total.masked_fill_(~whole, float("-inf")).masked_fill_(kept_anyway, float("inf"))
