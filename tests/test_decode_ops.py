@@ -33,13 +33,13 @@ CONTEXTS = (96, 384)
 SCORED_EXTRA = 35
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
 choosing the slot to free and writing per-slot state (17 for SnapKV, 27 for Expected Attention,
-34 for KVzip)."""
+32 for KVzip)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
-CHUNK_EXTRA = 30
+CHUNK_EXTRA = 22
 """Operations ranking in chunks may add to a layer's step: a search, one segment sum of the scores
 and the tokens held, the open chunk's protection, and a sort where the statistic has not sorted
-its slots by position already (26 for Expected Attention, 25 for SnapKV, which has)."""
+its slots by position already (20 for Expected Attention, 16 for SnapKV, which has)."""
 
 
 @torch.no_grad()

@@ -59,5 +59,10 @@ def test_the_operation_count_covers_every_policy_and_storage_and_scales_per_laye
     storages = lambda name: len(available_storages()) if "storage" in inspect.signature(policy_constructor(name)).parameters else 1  # noqa: E731
     labels = [label for label, _ in ops.contenders(16)]
     assert labels[0] == "DynamicCache" and len(labels) == 1 + sum(storages(name) for name in available_policies())
+    labels = [label for label, _ in ops.contenders(16, ["snapkv:chunk=4", "full:storage=fp8"])]  # specs: as given
+    assert labels == [
+        "DynamicCache", *(f"snapkv:budget=16,window=4,kernel=3,chunk=4,storage={s}" for s in available_storages() if s != "native"),
+        "snapkv:budget=16,window=4,kernel=3,chunk=4", "full:storage=fp8",
+    ]
     table = ops.table([ops.Count("DynamicCache", 100), ops.Count("full", 114)], layers=2, context=40)
     assert table.splitlines()[-1] == "| full | 114 | 1.14x | +7.0 |"

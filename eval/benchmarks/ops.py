@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from hf_kvpolicies import available_policies, available_storages, from_spec
-from hf_kvpolicies.specs import policy_constructor
+from hf_kvpolicies.specs import parse_spec, policy_constructor
 from hf_kvpolicies.storage.cpu_kernels import portable
 
 from ..budgets import expand
@@ -99,14 +99,17 @@ class Count:
 
 
 def contenders(budget: int, policies: list[str] | None = None) -> list[tuple[str, Callable[[PreTrainedModel], Cache]]]:
-    """DynamicCache, then every policy at ``budget`` (as the sweep builds it) in every storage it takes."""
+    """DynamicCache, then every policy (a name or a spec, ``snapkv:chunk=16``) at ``budget`` (as the
+    sweep builds it) in every storage it takes, or in the one its spec names."""
     made: list[tuple[str, Callable[[PreTrainedModel], Cache]]] = [
         ("DynamicCache", lambda model: DynamicCache(config=model.config))
     ]
-    for name in policies or available_policies():
+    for policy in policies or available_policies():
+        name, keywords = parse_spec(policy)
         takes_storage = "storage" in inspect.signature(policy_constructor(name)).parameters
-        for storage in available_storages() if takes_storage else ["native"]:
-            spec = name if storage == "native" else f"{name}:storage={storage}"
+        storages = available_storages() if takes_storage and "storage" not in keywords else ["native"]
+        for storage in storages:
+            spec = policy if storage == "native" else f"{policy}{',' if keywords else ':'}storage={storage}"
             [run] = expand([spec], (budget,))
             built = run.spec(budget)
             made.append((built, lambda model, built=built: from_spec(model, built)))
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--policies", nargs="*", help="registered policy names (default: all)")
+    parser.add_argument("--policies", nargs="*", help="registered policy names or specs, e.g. snapkv:chunk=16 (default: all, each in every storage)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     ids = tokenize(tokenizer, embedded_text(), args.context + 2)

@@ -37,6 +37,7 @@ class KeyDiffRetention(ScoredRetention):
 
     def __init__(self, budget: int, recent: int, **options) -> None:
         super().__init__(budget, protected=recent, **options)
+        self._ones: torch.Tensor | None = None
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         keys = seen.keys[:, :1] if shares_one_key_row(seen.keys) else seen.keys  # pooled heads share one row
@@ -44,18 +45,31 @@ class KeyDiffRetention(ScoredRetention):
         inverse = keys.norm(dim=-1).clamp_(min=1e-12).reciprocal_()  # [batch, heads, k]
         weights = inverse if seen.key_mask is None else inverse * seen.key_mask
         # three-dimensional products (a decode step pays for matmul's expands and views); the sum
-        # of the unit keys is the anchor's direction, which is all a cosine reads
+        # of the unit keys is the anchor's direction, which is all a cosine reads; similarity is then
+        # each key's length times its cosine
         batch, heads, count = weights.shape
         if keys.shape[1] == heads:  # a key row per head: the heads are the batch of the products
             rows = keys.flatten(0, 1)  # [batch * heads, k, dim]
-            anchor = torch.bmm(weights.view(batch * heads, 1, count), rows)
+            anchor = _unit(torch.bmm(weights.view(batch * heads, 1, count), rows))
             similarity = torch.bmm(rows, anchor.transpose(1, 2)).view(batch, heads, count)
         else:  # one key row under a mask per head (pooled heads): the heads are one product's rows
             rows = keys[:, 0]  # [batch, k, dim]
-            anchor = torch.bmm(weights, rows)  # [batch, heads, dim]
+            anchor = _unit(torch.bmm(weights, rows))  # [batch, heads, dim]
             similarity = torch.bmm(rows, anchor.transpose(1, 2)).transpose(1, 2)
-        length = anchor.norm(dim=-1).view(batch, heads, 1).clamp_(min=1e-12)
-        return rounded(1 - (similarity * inverse).div_(length), out=out_for(scores))
+        out = out_for(scores)
+        distance = torch.addcmul(self._one(keys.device), similarity, inverse, value=-1, out=out)  # 1 - cos
+        return rounded(distance, out=out)
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        """A 0-dimensional 1 on ``device``, made once (a step would pay an operation for a new one)."""
+        if self._ones is None or self._ones.device != device:
+            self._ones = torch.ones((), device=device)
+        return self._ones
+
+
+def _unit(vectors: torch.Tensor) -> torch.Tensor:
+    """``vectors`` scaled to unit length along the last axis, in place (a zero one stays zero)."""
+    return vectors.div_(vectors.norm(dim=-1, keepdim=True).clamp_(min=1e-12))
 
 
 RECENT = 32

@@ -103,7 +103,7 @@ class SnapKVRetention(ScoredRetention):
         ranked = self._pooled(ordered, scores.gather(-1, order), window, every_slot_held)
         if self.chunk > 1:
             seen = self.seen if seen is None else seen
-            ranked = chunk_ranking(ordered, ranked, self.row_start, seen, self.chunk, ascending=True)
+            ranked = chunk_ranking(ordered, ranked, self.row_start, seen, self.chunk, True, every_slot_held)
         chosen = self.lowest(ordered, ranked, seen, every_slot_held, ascending=True, newest=window)
         return torch.gather(order, -1, chosen, out=out)
 

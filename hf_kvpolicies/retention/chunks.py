@@ -38,24 +38,29 @@ def chunk_ranking(
     seen: int | torch.Tensor,
     chunk: int,
     ascending: bool = False,
+    every_slot_held: bool = False,
 ) -> torch.Tensor:
     """Per-token ranking scores ``[batch, heads, k]`` of ``positions``' chunks (``-1``/``-2``: no
     token) from per-token ``ranked`` scores; ``start`` ``[batch, 1, 1]``: each row's first real
     position; ``seen``: tokens seen (the newest position is ``seen - 1``); ``ascending``:
-    ``positions`` ascend along the last axis (their chunks' ids then need no sort). Fixed shapes,
-    nothing read back: a decode step takes it as it is (a sort and a search of ``k`` ids per row
-    and head)."""
-    real = positions >= 0
+    ``positions`` ascend along the last axis and end with the newest (their chunks' ids then need
+    no sort, and the open chunk is the last one's); ``every_slot_held``: no slot is empty. Fixed
+    shapes, nothing read back: a decode step takes it as it is (a sort and a search of ``k`` ids
+    per row and head), and skips what cannot change the ranking."""
+    real = None if every_slot_held else positions >= 0
     # a slot without a token (position -1 or -2) falls in a chunk of negative id, below every real one
     chunk_id = (positions - start).div(chunk, rounding_mode="floor")
     # one index per chunk in [0, k): where its id first stands among the sorted ids
     compact = torch.searchsorted(chunk_id if ascending else chunk_id.sort(dim=-1).values, chunk_id)
-    counted = torch.where(real & (ranked.abs() != float("inf")), ranked, 0.0)
+    counted = torch.nan_to_num(ranked, posinf=0.0, neginf=0.0)  # infinite ranks count for nothing
+    if real is not None:
+        counted = torch.where(real, counted, 0.0)
+    tokens = torch.ones_like(counted) if real is None else real.to(ranked.dtype)
     # each chunk's finite scores and its tokens, summed in one pass: [..., 2, k]
-    summed = torch.stack([counted, real.to(ranked.dtype)], dim=-2)
+    summed = torch.stack([counted, tokens], dim=-2)
     index = compact.unsqueeze(-2).expand_as(summed)
     total, held = torch.zeros_like(summed).scatter_add_(-1, index, summed).gather(-1, index).unbind(-2)
-    whole = held == chunk
-    newest = (seen - 1 - start).div(chunk, rounding_mode="floor")
-    kept_anyway = ((chunk_id == newest) > whole) | (ranked == float("inf"))  # the open chunk until whole; sinks
-    return total.masked_fill_(~whole, float("-inf")).masked_fill_(kept_anyway, float("inf"))
+    broken = held != chunk
+    newest = chunk_id[..., -1:] if ascending else (seen - 1 - start).div(chunk, rounding_mode="floor")
+    kept_anyway = ((chunk_id == newest) & broken) | (ranked == float("inf"))  # the open chunk until whole; sinks
+    return total.masked_fill_(broken, float("-inf")).masked_fill_(kept_anyway, float("inf"))

@@ -148,13 +148,17 @@ class ScoredRetention(Retention):
         ``seen``: tokens seen after this forward (a device tensor in static steps; ``self.seen`` by default)."""
         return scores
 
-    def ranking(self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None) -> torch.Tensor:
+    def ranking(
+        self, positions: torch.Tensor, scores: torch.Tensor, seen: int | torch.Tensor | None = None, every_slot_held: bool = False
+    ) -> torch.Tensor:
         """What evictions and trims rank by: the statistic's :meth:`selection_scores`, of whole
-        chunks where ``chunk`` > 1 (:func:`~hf_kvpolicies.retention.chunks.chunk_ranking`)."""
+        chunks where ``chunk`` > 1 (:func:`~hf_kvpolicies.retention.chunks.chunk_ranking`;
+        ``every_slot_held``: no slot is empty)."""
         ranked = self.selection_scores(positions, scores, seen)
         if self.chunk == 1:
             return ranked
-        return chunk_ranking(positions, ranked, self.row_start, self.seen if seen is None else seen, self.chunk)
+        seen = self.seen if seen is None else seen
+        return chunk_ranking(positions, ranked, self.row_start, seen, self.chunk, every_slot_held=every_slot_held)
 
     def resolve(self, prompt: int) -> tuple[int, int]:
         """``(budget, protected)`` in tokens for a first forward of ``prompt`` tokens."""
@@ -422,7 +426,7 @@ class ScoredRetention(Retention):
     ) -> torch.Tensor:
         """``[batch, kv_heads, 1]`` the slot a decode step frees: the lowest :meth:`ranking` of
         ``scores``, the oldest among ties (a statistic that ranks in position order chooses there)."""
-        return self.lowest(positions, self.ranking(positions, scores, seen), seen, every_slot_held, out)
+        return self.lowest(positions, self.ranking(positions, scores, seen, every_slot_held), seen, every_slot_held, out)
 
     def lowest(
         self,

@@ -121,11 +121,14 @@ def rounded(scores: torch.Tensor, bits: int = SCORE_BITS, out: torch.Tensor | No
     Two integer operations on the bits (half a unit of the last kept bit added, the bits below it
     cleared; a carry into the exponent is the round up to the next power of two): a decode step
     pays for every operation. Subnormal scores keep fewer significant bits. ``out``: where to
-    write them (of ``scores``' dtype)."""
+    write them (of ``scores``' dtype; ``scores`` itself rounds them in place)."""
     drop = round(-math.log2(torch.finfo(scores.dtype).eps)) + 1 - bits  # significant bits beyond ``bits``
     if drop <= 0:
         return scores if out is None else out.copy_(scores)
     as_int = _SAME_WIDTH_INT[scores.element_size()]
+    if out is scores:  # the statistic wrote them there: round in place
+        scores.view(as_int).add_(1 << (drop - 1)).bitwise_and_(-(1 << drop))
+        return scores
     if out is not None:
         torch.bitwise_and(scores.view(as_int) + (1 << (drop - 1)), -(1 << drop), out=out.view(as_int))
         return out
