@@ -33,7 +33,7 @@ CONTEXTS = (96, 384)
 SCORED_EXTRA = 35
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
 choosing the slot to free and writing per-slot state (17 for SnapKV, 27 for Expected Attention,
-32 for KVzip)."""
+31 for KVzip)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""
 CHUNK_EXTRA = 22

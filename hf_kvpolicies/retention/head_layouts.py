@@ -346,12 +346,13 @@ class PooledHeads(HeadLayout):
         following = r.seen_t  # the device count, advanced: tokens seen after this step
         ranked = r.evictable(r.positions, r.ranking(r.positions, r.scores, following), following, real=real)
         victims = pooled_victims(r.positions, ranked, heads).unsqueeze(-1)  # victim i: head i's next slot
-        freed = r.positions.scatter(-1, victims.view(batch, 1, heads).expand(batch, heads, heads), -1)
-        if filled:
-            r.positions.copy_(freed)
+        freeing = victims.view(batch, 1, heads).expand(batch, heads, heads)
+        if filled:  # the freed slots hold no token for any head
+            r.positions.scatter_(-1, freeing, -1)
             r.free.copy_(victims)
         else:
             full = r.live_t >= capacity
+            freed = r.positions.scatter(-1, freeing, -1)
             r.positions.copy_(torch.where(full, freed, r.positions))
             r.free.copy_(torch.where(full, victims, slots + heads))
         return all_keys, all_values
