@@ -18,6 +18,8 @@ The preset, :class:`KeyDiffCache`, builds it in every governed layer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import PreTrainedModel
 
@@ -37,7 +39,6 @@ class KeyDiffRetention(ScoredRetention):
 
     def __init__(self, budget: int, recent: int, **options) -> None:
         super().__init__(budget, protected=recent, **options)
-        self._ones: torch.Tensor | None = None
 
     def score(self, seen: Attended, scores: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         keys = seen.keys[:, :1] if shares_one_key_row(seen.keys) else seen.keys  # pooled heads share one row
@@ -57,14 +58,14 @@ class KeyDiffRetention(ScoredRetention):
             anchor = _unit(torch.bmm(weights, rows))  # [batch, heads, dim]
             similarity = torch.bmm(rows, anchor.transpose(1, 2)).transpose(1, 2)
         out = out_for(scores)
-        distance = torch.addcmul(self._one(keys.device), similarity, inverse, value=-1, out=out)  # 1 - cos
+        distance = torch.addcmul(_one(keys.device), similarity, inverse, value=-1, out=out)  # 1 - cos
         return rounded(distance, out=out)
 
-    def _one(self, device: torch.device) -> torch.Tensor:
-        """A 0-dimensional 1 on ``device``, made once (a step would pay an operation for a new one)."""
-        if self._ones is None or self._ones.device != device:
-            self._ones = torch.ones((), device=device)
-        return self._ones
+
+@functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> torch.Tensor:
+    """A 0-dimensional 1 on ``device``, made once per device (a step would pay an operation for a new one)."""
+    return torch.ones((), device=device)
 
 
 def _unit(vectors: torch.Tensor) -> torch.Tensor:

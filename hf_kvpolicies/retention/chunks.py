@@ -47,15 +47,16 @@ def chunk_ranking(
     no sort, and the open chunk is the last one's); ``every_slot_held``: no slot is empty. Fixed
     shapes, nothing read back: a decode step takes it as it is (a sort and a search of ``k`` ids
     per row and head), and skips what cannot change the ranking."""
-    real = None if every_slot_held else positions >= 0
     # a slot without a token (position -1 or -2) falls in a chunk of negative id, below every real one
     chunk_id = (positions - start).div(chunk, rounding_mode="floor")
     # one index per chunk in [0, k): where its id first stands among the sorted ids
     compact = torch.searchsorted(chunk_id if ascending else chunk_id.sort(dim=-1).values, chunk_id)
     counted = torch.nan_to_num(ranked, posinf=0.0, neginf=0.0)  # infinite ranks count for nothing
-    if real is not None:
-        counted = torch.where(real, counted, 0.0)
-    tokens = torch.ones_like(counted) if real is None else real.to(ranked.dtype)
+    if every_slot_held:
+        tokens = torch.ones_like(counted)
+    else:  # empty slots count for nothing, and are no tokens
+        real = positions >= 0
+        counted, tokens = torch.where(real, counted, 0.0), real.to(ranked.dtype)
     # each chunk's finite scores and its tokens, summed in one pass: [..., 2, k]
     summed = torch.stack([counted, tokens], dim=-2)
     index = compact.unsqueeze(-2).expand_as(summed)
