@@ -32,7 +32,7 @@ BUDGET = 32
 CONTEXTS = (96, 384)
 SCORED_EXTRA = 35
 """Operations a scored policy's step may add to one layer's, beyond the sliding window's: scoring,
-choosing the slot to free and writing per-slot state (17 for SnapKV, 27 for Expected Attention,
+choosing the slot to free and writing per-slot state (17 for SnapKV, 24 for Expected Attention,
 31 for KVzip)."""
 CHUNKED = {"snapkv": 8, "expected_attention": 8}
 """Policies also counted with ``chunk=`` (ChunkKV) at this width."""

@@ -306,3 +306,23 @@ def test_spec_and_budget_parameters():
     assert ExpectedAttentionCache.budget_parameters(256) == {"budget": 256, "sinks": 4}
     assert ExpectedAttentionCache.budget_parameters(8) == {"budget": 8, "sinks": 2}
     assert all(ExpectedAttentionCache(model, **ExpectedAttentionCache.budget_parameters(b)) for b in range(1, 20))
+
+
+def test_static_steps_hold_the_sinks_in_place_of_finding_them(one_thread):
+    """While static decode steps run, where the sinks are is found once (a sink is never evicted and
+    nothing is written over it): each step's scores equal those of finding them again."""
+    model = tiny_llama()
+    ids = random_ids(1, 40, seed=6)
+    cache = ExpectedAttentionCache(model, budget=12, sinks=3)
+    with torch.no_grad():
+        model(ids[:, :30], cache=cache)
+        for t in range(30, 40):
+            model(ids[:, t : t + 1], cache=cache)
+    retention = cache.layers[1].retention
+    held = retention.held_sinks
+    assert held is not None and torch.equal(held, (retention.positions >= 0) & (retention.positions < 3))
+    assert held.sum(dim=-1).eq(3).all()
+    retention.held_sinks = None  # the general path: sinks found from the positions, their logits hidden anew
+    found = retention._expected_attention(retention.extra, retention.positions, None, None)
+    retention.held_sinks = held
+    assert torch.equal(found, retention.scores) and found.isinf().sum() == held.sum()

@@ -48,12 +48,15 @@ def test_the_operation_count_covers_every_policy_and_storage_and_scales_per_laye
     from hf_kvpolicies.specs import policy_constructor
 
     ids = random_ids(1, 64)
-    counts = {}
+    counts, kernels = {}, {}
     for layers in (2, 3, 4):
         rows = ops.count(tiny_llama(num_hidden_layers=layers), ids, 40, 16, ["full", "window", "h2o"])
         counts[layers] = {row.label: row.operations for row in rows}
+        kernels[layers] = {row.label: row.kernels for row in rows}
     for label in counts[2]:
         assert counts[4][label] - counts[3][label] == counts[3][label] - counts[2][label] > 0, label
+        assert kernels[4][label] - kernels[3][label] == kernels[3][label] - kernels[2][label] > 0, label
+        assert kernels[2][label] < counts[2][label], label  # a step's views launch nothing
     per_layer = {label: counts[3][label] - counts[2][label] - (counts[3]["DynamicCache"] - counts[2]["DynamicCache"]) for label in counts[2]}
     assert 0 < per_layer["full"] < per_layer["h2o:heavy=8,recent=8"]  # a scored step does more than an append
     storages = lambda name: len(available_storages()) if "storage" in inspect.signature(policy_constructor(name)).parameters else 1  # noqa: E731
@@ -64,5 +67,5 @@ def test_the_operation_count_covers_every_policy_and_storage_and_scales_per_laye
         "DynamicCache", *(f"snapkv:budget=16,window=4,kernel=3,chunk=4,storage={s}" for s in available_storages() if s != "native"),
         "snapkv:budget=16,window=4,kernel=3,chunk=4", "full:storage=fp8",
     ]
-    table = ops.table([ops.Count("DynamicCache", 100), ops.Count("full", 114)], layers=2, context=40)
-    assert table.splitlines()[-1] == "| full | 114 | 1.14x | +7.0 |"
+    table = ops.table([ops.Count("DynamicCache", 100, 70), ops.Count("full", 114, 80)], layers=2, context=40)
+    assert table.splitlines()[-1] == "| full | 114 | 1.14x | +7.0 | 80 | +5.0 |"

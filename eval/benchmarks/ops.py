@@ -5,7 +5,9 @@ cache adds to a layer's decode step is paid in every layer, at every token. This
 operations dispatched by one eager decode step (a ``TorchDispatchMode`` counter) after a prompt
 of ``--context`` tokens, for ``DynamicCache`` and every registered policy at ``--budget`` in each
 storage, and the operations each adds per layer. A count does not depend on the machine, so a
-CPU run shows the launch budget a GPU will pay.
+CPU run shows the launch budget a GPU will pay. Beside every operation dispatched, the table gives
+the kernels among them: the operations that are not views (:data:`VIEWS` make none, though each
+still costs the dispatcher's time on the host).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class OperationCounter(TorchDispatchMode):
     def count(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def kernels(self) -> int:
+        """The operations counted that are not views (each a kernel launch on a GPU)."""
+        return sum(n for name, n in self.counts.items() if name not in VIEWS)
+
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
@@ -82,20 +89,23 @@ class OperationCounter(TorchDispatchMode):
 
 
 @torch.no_grad()
-def operations_per_step(model: PreTrainedModel, cache: Cache, ids: torch.Tensor, context: int) -> int:
-    """Aten operations of one eager decode step after ``context`` prompt tokens and one decode step
-    (so that the counted step is a steady one: a bounded policy is full and evicting)."""
+def operations_per_step(model: PreTrainedModel, cache: Cache, ids: torch.Tensor, context: int) -> tuple[int, int]:
+    """Aten operations, and the kernels among them, of one eager decode step after ``context``
+    prompt tokens and one decode step (so that the counted step is a steady one: a bounded policy
+    is full and evicting)."""
     model(ids[:, :context], cache=cache, use_cache=True)
     model(ids[:, context : context + 1], cache=cache, use_cache=True)
     with OperationCounter() as counter:
         model(ids[:, context + 1 : context + 2], cache=cache, use_cache=True)
-    return counter.count
+    return counter.count, counter.kernels
 
 
 @dataclass(frozen=True)
 class Count:
     label: str
     operations: int
+    kernels: int
+    """The operations that are not views."""
 
 
 def contenders(budget: int, policies: list[str] | None = None) -> list[tuple[str, Callable[[PreTrainedModel], Cache]]]:
@@ -123,19 +133,23 @@ def count(model: PreTrainedModel, ids: torch.Tensor, context: int, budget: int, 
             cache = make(model)
         except ValueError:  # a policy that cannot serve this model (it says why at construction)
             continue
-        rows.append(Count(label, operations_per_step(model, cache, ids, context)))
+        rows.append(Count(label, *operations_per_step(model, cache, ids, context)))
     return rows
 
 
 def table(rows: list[Count], layers: int, context: int) -> str:
-    """Markdown: operations per step, the ratio to DynamicCache and what each adds per layer."""
-    base = rows[0].operations
+    """Markdown: operations per step, the ratio to DynamicCache and what each adds per layer; the
+    same for the kernels among them."""
+    base, kernels = rows[0].operations, rows[0].kernels
     lines = [
-        f"| cache ({context}-token context) | ops / step | vs DynamicCache | added per layer |",
-        "|---|---|---|---|",
+        f"| cache ({context}-token context) | ops / step | vs DynamicCache | added per layer | kernels / step | kernels added per layer |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        lines.append(f"| {row.label} | {row.operations:,} | {row.operations / base:.2f}x | {(row.operations - base) / layers:+.1f} |")
+        lines.append(
+            f"| {row.label} | {row.operations:,} | {row.operations / base:.2f}x | {(row.operations - base) / layers:+.1f} "
+            f"| {row.kernels:,} | {(row.kernels - kernels) / layers:+.1f} |"
+        )
     return "\n".join(lines)
 
 

@@ -113,6 +113,10 @@ class ExpectedAttentionRetention(ScoredRetention):
         """``[batch, query_heads, head_dim]`` their mean."""
         self.moment: torch.Tensor | None = None
         """``[batch, query_heads, head_dim, head_dim]`` the sum of their centred outer products."""
+        self.held_sinks: torch.Tensor | None = None
+        """``[batch, kv_heads, slots]`` where the sinks are, while static steps run after every row
+        has seen its sinks: a sink is never evicted and no token is written over it, so its slot
+        and its hidden logits hold until the steps end (``None`` otherwise)."""
 
     def extra_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
         state = {"expected_logits": torch.zeros(batch, heads, self.groups, slots, device=device)}
@@ -194,6 +198,8 @@ class ExpectedAttentionRetention(ScoredRetention):
         no sinks, averaged over the group, times the value norms; sinks ``+inf`` (in ``out`` where given)."""
         logits = extra["expected_logits"]
         sink = hidden = None
+        if key_mask is None and self.held_sinks is not None:  # their logits were hidden when the steps began
+            return self._weighted(logits, extra, out).masked_fill_(self.held_sinks, float("inf"))
         if self.sinks:
             sink = positions - self.row_start < self.sinks  # pads and empty slots too, where key_mask hides them
             hidden, sink = (sink, sink) if key_mask is None else (sink | ~key_mask, sink & key_mask)
@@ -201,10 +207,13 @@ class ExpectedAttentionRetention(ScoredRetention):
             hidden = ~key_mask
         if hidden is not None:
             logits = logits.masked_fill(hidden[:, :, None], HIDDEN)
-        weights = torch.mean(torch.softmax(logits, dim=-1), dim=2, out=out)
-        if self.use_vnorm:
-            weights.mul_(extra["value_norm"])
+        weights = self._weighted(logits, extra, out)
         return weights if sink is None else weights.masked_fill_(sink, float("inf"))
+
+    def _weighted(self, logits: torch.Tensor, extra: dict[str, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        """The softmax of ``logits`` over the slots, averaged over the group, times the value norms."""
+        weights = torch.mean(torch.softmax(logits, dim=-1), dim=2, out=out)
+        return weights.mul_(extra["value_norm"]) if self.use_vnorm else weights
 
     # --- the statistics are per row: they follow the rows, and static steps update them in place ---
     @property
@@ -218,14 +227,27 @@ class ExpectedAttentionRetention(ScoredRetention):
         self.count, self.mean = self.count.index_select(0, batch_index), self.mean.index_select(0, batch_index)
         if self.moment is not None:
             self.moment = self.moment.index_select(0, batch_index)
+        if self.held_sinks is not None:
+            self.held_sinks = self.held_sinks.index_select(0, batch_index)
 
     def reset(self) -> None:
         super().reset()
-        self.count = self.mean = self.moment = None
+        self.count = self.mean = self.moment = self.held_sinks = None
 
     def _enter_static(self, storage: Storage) -> list[torch.Tensor]:
+        """Also, where every row has seen its sinks (static steps run on unpadded rows, so every
+        row has seen ``seen`` tokens), where they are, their logits hidden once for every step."""
         statistics = [t for t in (self.count, self.mean, self.moment) if t is not None]
-        return super()._enter_static(storage) + statistics
+        tensors = super()._enter_static(storage) + statistics
+        if self.sinks and self.seen >= self.sinks:
+            positions = self.positions
+            self.held_sinks = (positions >= 0) & (positions - self.row_start < self.sinks)
+            self.extra["expected_logits"].masked_fill_(self.held_sinks[:, :, None], HIDDEN)
+        return tensors
+
+    def _leave_static(self, storage: Storage, steps: int) -> None:
+        super()._leave_static(storage, steps)
+        self.held_sinks = None
 
 
 SINKS = 4
