@@ -201,7 +201,7 @@ class ExpectedAttentionRetention(ScoredRetention):
         if key_mask is None and self.held_sinks is not None:  # their logits were hidden when the steps began
             return self._weighted(logits, extra, out).masked_fill_(self.held_sinks, float("inf"))
         if self.sinks:
-            sink = positions - self.row_start < self.sinks  # pads and empty slots too, where key_mask hides them
+            sink = self._sink_slots(positions)  # pads and empty slots too, where key_mask hides them
             hidden, sink = (sink, sink) if key_mask is None else (sink | ~key_mask, sink & key_mask)
         elif key_mask is not None:
             hidden = ~key_mask
@@ -209,6 +209,10 @@ class ExpectedAttentionRetention(ScoredRetention):
             logits = logits.masked_fill(hidden[:, :, None], HIDDEN)
         weights = self._weighted(logits, extra, out)
         return weights if sink is None else weights.masked_fill_(sink, float("inf"))
+
+    def _sink_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where ``positions`` are among their row's first ``sinks`` (an empty slot's ``-1`` too)."""
+        return positions - self.row_start < self.sinks
 
     def _weighted(self, logits: torch.Tensor, extra: dict[str, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
         """The softmax of ``logits`` over the slots, averaged over the group, times the value norms."""
@@ -240,8 +244,7 @@ class ExpectedAttentionRetention(ScoredRetention):
         statistics = [t for t in (self.count, self.mean, self.moment) if t is not None]
         tensors = super()._enter_static(storage) + statistics
         if self.sinks and self.seen >= self.sinks:
-            positions = self.positions
-            self.held_sinks = (positions >= 0) & (positions - self.row_start < self.sinks)
+            self.held_sinks = (self.positions >= 0) & self._sink_slots(self.positions)
             self.extra["expected_logits"].masked_fill_(self.held_sinks[:, :, None], HIDDEN)
         return tensors
 
